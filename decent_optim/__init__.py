@@ -1,0 +1,25 @@
+"""decent_optim: decentralized data-parallel optimizers for PyTorch.
+
+Replace ``torch.optim.AdamW(...)`` by ``decent_optim.DecentralizedAdamW(..., topology="ring")``
+and launch with torchrun: every worker keeps its own model and averages it with a few neighbours
+per step, while the next forward and backward run.
+"""
+
+from decent_optim import topologies
+from decent_optim.optim import DSGD, AccumAdam, AccumAdamW, DecentralizedAdam, DecentralizedAdamW
+from decent_optim.optim._base import DecentralizedOptimizer
+from decent_optim.topologies import Topology
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DSGD",
+    "AccumAdam",
+    "AccumAdamW",
+    "DecentralizedAdam",
+    "DecentralizedAdamW",
+    "DecentralizedOptimizer",
+    "Topology",
+    "__version__",
+    "topologies",
+]
