@@ -1,0 +1,65 @@
+"""Point-to-point vs sub-group all-reduce for one gossip round, on the ranks torchrun starts.
+
+    torchrun --standalone --nproc-per-node 4 benchmarks/gossip_transport.py
+
+For each topology and buffer size, every transport that can carry it runs ``--rounds`` rounds
+(``start`` then ``wait_and_mix_``, back to back, no compute to hide behind) after a warm-up;
+rank 0 prints the median time per round. ``auto`` is what the optimizers use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from decent_optim.gossip import Gossiper
+from decent_optim.topologies import get
+
+
+def time_rounds(gossip: Gossiper, buffers: list[torch.Tensor], rounds: int, warmup: int = 3) -> float:
+    samples = []
+    for t in range(warmup + rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        gossip.start(buffers, t).wait_and_mix_()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a round ends when its slowest rank does
+        if t >= warmup:
+            samples.append(elapsed.item())
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1.0, 16.0, 64.0])
+    parser.add_argument("--topologies", nargs="+", default=["ring", "one-peer-exp", "complete"])
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for name in args.topologies:
+        topo = get(name, n, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        gossipers = {tr: Gossiper(topo, transport=tr) for tr in ("p2p", "allreduce", "auto")}
+        for mb in args.sizes_mb:
+            buffers = [torch.randn(int(mb * 2**20 / 4))]
+            times = {tr: time_rounds(g, buffers, args.rounds) for tr, g in gossipers.items()}
+            rows.append((name, mb, times))
+    if rank == 0:
+        print(f"gloo, {n} ranks, median seconds per round (slowest rank), {args.rounds} rounds")
+        print(f"| topology | MB | p2p | allreduce | auto | p2p / allreduce |")
+        print(f"|---|---:|---:|---:|---:|---:|")
+        for name, mb, t in rows:
+            print(f"| {name} | {mb:g} | {t['p2p']*1e3:.1f} ms | {t['allreduce']*1e3:.1f} ms | "
+                  f"{t['auto']*1e3:.1f} ms | {t['p2p']/t['allreduce']:.2f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
