@@ -16,10 +16,11 @@ Transport, per round and per group of the round:
   group of ``k`` ranks point-to-point would send ``k - 1`` full buffers from every rank; a ring
   all-reduce sends about two, and needs one receive buffer instead of ``k - 1``.
 
-Why this split: measured on 4 CPU ranks with gloo (``benchmarks/gossip_transport.py``; numbers
-in the CHANGELOG and the closing note of the core issue), point-to-point is faster than a
-two-rank all-reduce for pairs, while a four-rank all-reduce beats three point-to-point
-exchanges per rank for ``complete``. Pass ``transport="p2p"`` or ``"allreduce"`` to force one.
+Why this split: measured with ``benchmarks/gossip_transport.py`` on 4 CPU ranks with gloo
+(median time per round; 1 / 16 / 64 MB buffers): for pairs, point-to-point took 0.56-0.82x the
+time of a two-rank all-reduce (ring 16 MB: 32 ms vs 44 ms); for a group of four (``complete``),
+all-reduce took 0.55-0.62x the time of three point-to-point exchanges per rank (16 MB: 46 ms vs
+83 ms). Pass ``transport="p2p"`` or ``"allreduce"`` to :class:`Gossiper` to force one.
 """
 
 from __future__ import annotations
@@ -148,7 +149,9 @@ class Gossiper:
     def _buffers(self, slot: int, buffers: Sequence[Tensor]) -> list[Tensor]:
         """Receive buffers for in-neighbour number ``slot``, allocated once and reused."""
         out = self._recv.get(slot)
-        if out is None or len(out) != len(buffers):
+        if out is None or [(o.shape, o.dtype, o.device) for o in out] != [
+            (b.shape, b.dtype, b.device) for b in buffers
+        ]:
             out = self._recv[slot] = [torch.empty_like(b) for b in buffers]
         return out
 

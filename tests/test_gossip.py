@@ -154,3 +154,21 @@ def _start_identical(rank, world_size):
 @pytest.mark.multiprocess
 def test_ranks_start_from_rank_zero_parameters():
     assert all(all(row) for row in run_world(_start_identical, 3))
+
+
+def _resized_buffers(rank, world_size):
+    gossip = Gossiper(get_topology("ring", world_size))
+    out = []
+    for numel in (6, 9, 4):  # receive buffers must follow the sizes of the buffers sent
+        buf = torch.full((numel,), float(rank), dtype=torch.float64)
+        gossip.start([buf], 0).wait_and_mix_()
+        out.append(buf)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_gossiper_follows_changing_buffer_sizes():
+    got = run_world(_resized_buffers, 2)
+    for per_rank in got:
+        for buf in per_rank:
+            torch.testing.assert_close(buf, torch.full_like(buf, 0.5))
