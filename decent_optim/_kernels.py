@@ -29,9 +29,13 @@ def adam_update_(
     amsgrad: bool,
     maximize: bool,
     decoupled: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """One Adam (``decoupled=False``) or AdamW step; ``steps`` are incremented first.
 
+    ``grad_scale``/``found_inf`` come from a ``GradScaler``: gradients are divided by the
+    scale, and nothing changes (the step counters included) when ``found_inf`` is nonzero.
     Math: see :class:`decent_optim.DecentralizedAdam`. Runs torch's fused multi-tensor kernel,
     the one ``torch.optim.Adam(fused=True)`` uses.
     """
@@ -40,8 +44,10 @@ def adam_update_(
     fused(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-        amsgrad=amsgrad, maximize=maximize,
+        amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf,
     )  # fmt: skip
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf] * len(steps))  # a skipped step does not count
 
 
 @torch.no_grad()
@@ -57,6 +63,8 @@ def sgd_update_(
     nesterov: bool,
     maximize: bool,
     first_step: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """One SGD step; ``first_step`` starts the momentum buffers at the gradient, as torch does.
 
@@ -66,6 +74,7 @@ def sgd_update_(
         params, grads, momentum_buffers if momentum else [],
         weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
         nesterov=nesterov, maximize=maximize, is_first_step=first_step,
+        grad_scale=grad_scale, found_inf=found_inf,
     )  # fmt: skip
 
 

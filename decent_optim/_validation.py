@@ -6,6 +6,7 @@ working after the swap.
 
 from __future__ import annotations
 
+import datetime
 import numbers
 import os
 
@@ -98,3 +99,23 @@ def resolve_local_world_size(local_world_size: int | None) -> int:
     if value < 1:
         raise ValueError(f"environment variable LOCAL_WORLD_SIZE must be >= 1, got {value}")
     return value
+
+
+def check_timeout(timeout: object) -> datetime.timedelta | None:
+    """``None``, seconds (> 0) or a positive ``timedelta``; returned as a timedelta."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    else:
+        seconds = _number("timeout", timeout)
+    if not seconds > 0:
+        raise ValueError(f"timeout must be > 0 seconds (a float or a timedelta), got {timeout!r}")
+    return datetime.timedelta(seconds=seconds)
+
+
+def check_global_avg_every(every: object) -> None:
+    if every is None:
+        return
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"global_avg_every must be a positive int (steps) or None, got {every!r}")

@@ -27,31 +27,94 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import datetime
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from decent_optim.topologies import Topology
 
-__all__ = ["GossipHandle", "Gossiper", "LocalGossiper", "TRANSPORTS"]
+__all__ = [
+    "TRANSPORTS",
+    "GossipError",
+    "GossipHandle",
+    "Gossiper",
+    "LocalGossiper",
+    "broadcast_",
+    "check_same_parameters",
+    "comm_device",
+    "resolve_group",
+]
 
 TRANSPORTS = ("auto", "p2p", "allreduce")
 
 
+class GossipError(RuntimeError):
+    """A gossip round could not complete: a peer died, stopped stepping, or timed out."""
+
+
 class GossipHandle:
-    """A round in flight; :meth:`wait_and_mix_` completes it (at most once)."""
+    """A round in flight. :meth:`wait` completes the exchange, :meth:`mix_` applies it.
 
-    def __init__(self, works: list, finish) -> None:  # finish: () -> None, the mixing
-        self._works = works
+    ``wait_and_mix_`` does both. Waiting without mixing lets a caller use the process group or
+    the buffers in between (e.g. a global average for evaluation) and still mix this round later.
+    """
+
+    def __init__(
+        self,
+        works: list[tuple[Any, int | None]],
+        finish: Callable[[], None] | None,
+        *,
+        round: int = 0,
+        rank: int = 0,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        self._works = works  # (work, peer it talks to, or None for a group collective)
         self._finish = finish
+        self.round, self.rank, self.timeout = round, rank, timeout
 
-    def wait_and_mix_(self) -> None:
+    @property
+    def is_noop(self) -> bool:
+        """True for a round with nothing to exchange or mix (e.g. a rank sitting out)."""
+        return not self._works and self._finish is None
+
+    def wait(self) -> None:
+        """Block until every send and receive of the round completed (at most ``timeout``)."""
         works, self._works = self._works, []
-        for work in works:
-            work.wait()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout.total_seconds()
+        for k, (work, peer) in enumerate(works):
+            try:
+                if deadline is None:
+                    work.wait()
+                else:
+                    left = max(deadline - time.monotonic(), 0.001)
+                    work.wait(datetime.timedelta(seconds=left))
+            except RuntimeError as err:
+                waiting = sorted({p for _, p in works[k:] if p is not None})
+                who = f"peer(s) {waiting}" if waiting else "its gossip group"
+                limit = "" if self.timeout is None else f" (timeout {self.timeout.total_seconds():g} s)"
+                raise GossipError(
+                    f"[rank {self.rank}] gossip round {self.round}: waiting on {who} failed{limit}. "
+                    "A peer may have died, hung, or called step() fewer times than this rank; "
+                    f"every rank must call step() once per iteration. Cause: {err}"
+                ) from err
+
+    def mix_(self) -> None:
+        """Overwrite the buffers with the weighted mix (once; after :meth:`wait`)."""
+        if self._works:
+            raise RuntimeError("mix_() before wait(): the round is still in flight")
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()
+
+    def wait_and_mix_(self) -> None:
+        self.wait()
+        self.mix_()
 
 
 _DONE = GossipHandle([], None)
@@ -66,8 +129,11 @@ class LocalGossiper:
     def __init__(self, topology: Topology | None = None) -> None:
         self.topology = topology
 
-    def start(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
+    def start(self, buffers: Sequence[Tensor], step: int, *, global_average: bool = False) -> GossipHandle:
         return _DONE
+
+    def average_(self, tensors: Sequence[Tensor]) -> None:
+        """The mean over one rank is the tensor itself."""
 
 
 class Gossiper:
@@ -78,12 +144,21 @@ class Gossiper:
         group: the process group (default: the world). Topology ranks are ranks in this group.
         transport: ``"auto"`` (see the module docstring), ``"p2p"`` or ``"allreduce"`` (the
             latter needs every round to be a partition into uniform groups).
+        timeout: how long :meth:`GossipHandle.wait` waits for a round before raising
+            :class:`GossipError` naming the round and the peers; ``None`` waits as long as the
+            process group allows.
 
     Sub-groups for all-reduce are created here, collectively: every rank of ``group`` must
     build its ``Gossiper`` at the same point of the program.
     """
 
-    def __init__(self, topology: Topology, group=None, transport: str = "auto") -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        group: Any = None,
+        transport: str = "auto",
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.group = group if group is not None else dist.group.WORLD
@@ -96,6 +171,7 @@ class Gossiper:
             )
         self.topology = topology
         self.transport = transport
+        self.timeout = timeout
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self._subgroups: dict[tuple[int, ...], object] = {}
         self._recv: dict[int, list[Tensor]] = {}  # in-neighbour slot -> one buffer per bucket
@@ -155,45 +231,63 @@ class Gossiper:
             out = self._recv[slot] = [torch.empty_like(b) for b in buffers]
         return out
 
-    def start(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
-        """Launch round ``step`` for ``buffers``; every rank must call it for every step."""
+    def start(
+        self, buffers: Sequence[Tensor], step: int, *, global_average: bool = False
+    ) -> GossipHandle:
+        """Launch round ``step`` for ``buffers``; every rank must call it for every step.
+
+        With ``global_average`` the round averages over the whole group instead of following
+        the topology (periodic global averaging); every rank must pass the same value.
+        """
+        if global_average:
+            return self._start_allreduce(buffers, tuple(range(self.world_size)), self.group, step)
         groups = self.topology.groups(step)
         if groups is not None:
             mine = next(g for g in groups if self.rank in g)
             if len(mine) == 1:
                 return _DONE
             if self._uses_allreduce(mine):
-                return self._start_allreduce(buffers, mine)
+                return self._start_allreduce(buffers, mine, self._subgroups[mine], step)
         return self._start_p2p(buffers, step)
 
-    def _start_allreduce(self, buffers: Sequence[Tensor], group: tuple[int, ...]) -> GossipHandle:
+    def average_(self, tensors: Sequence[Tensor]) -> None:
+        """In place, synchronously: every tensor becomes its mean over the group's ranks."""
+        works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors]
+        GossipHandle([(w, None) for w in works], None, rank=self.rank, timeout=self.timeout).wait()
+        for t in tensors:
+            t.div_(self.world_size)
+
+    def _start_allreduce(
+        self, buffers: Sequence[Tensor], group: tuple[int, ...], pg: Any, step: int
+    ) -> GossipHandle:
         copies = self._buffers(0, buffers)
-        pg = self._subgroups[group]
         works = []
         for src, dst in zip(buffers, copies):
             dst.copy_(src)
-            works.append(dist.all_reduce(dst, group=pg, async_op=True))
+            works.append((dist.all_reduce(dst, group=pg, async_op=True), None))
         scale = 1.0 / len(group)
 
         def finish() -> None:
             for buf, total in zip(buffers, copies):
                 torch.mul(total, scale, out=buf)
 
-        return GossipHandle(works, finish)
+        return GossipHandle(works, finish, round=step, rank=self.rank, timeout=self.timeout)
 
     def _start_p2p(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
         weights = self.topology.weights(self.rank, step)
         sources = self.topology.in_peers(self.rank, step)
         received = [self._buffers(slot, buffers) for slot in range(len(sources))]
-        ops = []
+        ops, peers = [], []
         for b, buf in enumerate(buffers):
             for peer in self.topology.out_peers(self.rank, step):
                 ops.append(dist.P2POp(dist.isend, buf, self._global[peer], self.group, tag=b))
+                peers.append(peer)
             for slot, peer in enumerate(sources):
                 ops.append(
                     dist.P2POp(dist.irecv, received[slot][b], self._global[peer], self.group, tag=b)
                 )
-        works = dist.batch_isend_irecv(ops) if ops else []
+                peers.append(peer)
+        works = list(zip(dist.batch_isend_irecv(ops), peers)) if ops else []
         own = weights.get(self.rank, 0.0)
         peer_weights = [weights[j] for j in sources]
 
@@ -207,5 +301,65 @@ class Gossiper:
                 for slot, w in enumerate(peer_weights):
                     buf.add_(received[slot][b], alpha=w)
 
-        return GossipHandle(works, finish)
+        return GossipHandle(works, finish, round=step, rank=self.rank, timeout=self.timeout)
 
+
+def resolve_group(process_group: Any) -> tuple[Any, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise RuntimeError(
+                "process_group was given but torch.distributed is not initialised; call "
+                "dist.init_process_group(...) first"
+            )
+        return None, 1
+    group = process_group if process_group is not None else dist.group.WORLD
+    return group, dist.get_world_size(group)
+
+
+def comm_device(group: Any, params: list[Tensor]) -> torch.device:
+    backend = dist.get_backend(group)
+    devices = {p.device.type for p in params}
+    if backend == "nccl":
+        if devices - {"cuda"}:
+            raise ValueError(
+                f"the NCCL backend exchanges CUDA tensors only, but parameters are on {sorted(devices)}; "
+                "move the model to the GPU before building the optimizer, or use gloo"
+            )
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "gloo" and devices - {"cpu"}:
+        raise ValueError(
+            f"the gloo backend sends CPU tensors only, but parameters are on {sorted(devices)}; "
+            "use the NCCL backend for GPU training"
+        )
+    return torch.device("cpu")
+
+
+def check_same_parameters(params: list[Tensor], group: Any, device: torch.device) -> None:
+    """All-gather a fingerprint of the parameter shapes and dtypes; raise on any difference."""
+    desc = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
+    mine = torch.tensor(
+        [len(params), sum(p.numel() for p in params), zlib.crc32(desc.encode())],
+        dtype=torch.int64,
+        device=device,
+    )
+    world = dist.get_world_size(group)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    rows = [tuple(int(v) for v in t.tolist()) for t in everyone]
+    differ = [r for r in range(world) if rows[r] != rows[0]]
+    if differ:
+        detail = ", ".join(
+            f"rank {r}: {rows[r][0]} tensors / {rows[r][1]} elements" for r in [0, *differ]
+        )
+        raise ValueError(
+            "the parameters differ across ranks (shapes or dtypes); every rank must build the same "
+            f"model before the optimizer. {detail}"
+            + ("" if len({r[:2] for r in rows}) > 1 else " (same sizes, different shapes or dtypes)")
+        )
+
+
+def broadcast_(tensors: Sequence[Tensor], group: Any) -> None:
+    """In place: every rank's tensors become group rank 0's."""
+    src = dist.get_global_rank(group, 0)
+    for t in tensors:
+        dist.broadcast(t, src=src, group=group)

@@ -6,19 +6,33 @@ buffers and the call of its kernel (:meth:`DecentralizedOptimizer._update`).
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable, Iterable
+import contextlib
+import datetime
+import math
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
 from decent_optim import topologies
-from decent_optim._validation import check_decentralized, resolve_local_world_size
+from decent_optim._validation import (
+    check_decentralized,
+    check_global_avg_every,
+    check_timeout,
+    resolve_local_world_size,
+)
 from decent_optim.flat import Bucket, FlatParams, check_flattenable
-from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
+from decent_optim.gossip import (
+    Gossiper,
+    GossipHandle,
+    LocalGossiper,
+    broadcast_,
+    check_same_parameters,
+    comm_device,
+    resolve_group,
+)
 from decent_optim.topologies import Topology
 
 __all__ = ["DecentralizedOptimizer"]
@@ -38,11 +52,30 @@ class DecentralizedOptimizer(Optimizer):
 
     Round 0 would mix the identical start values broadcast from rank 0, so the first step has
     nothing to wait for. Every rank launches exactly one round per step, whatever happens
-    locally, because its neighbours are waiting for it.
+    locally (parameters without gradients, an update a ``GradScaler`` skipped), because its
+    neighbours are waiting for it.
+
+    Parameters with ``requires_grad=False`` when the optimizer is built (frozen layers) are
+    broadcast from rank 0 once and then left out of the gossip: they never change, so there is
+    nothing to average, and no bandwidth is spent on them (a gradient on one later is an error).
+    Trainable parameters that get no gradient in a step (an unused branch) skip their local
+    update, as in torch.optim, but are still gossiped. Their values are equal on every rank, so
+    a pair's mean keeps them exactly; the floating-point mean of three or more equal values
+    (``complete``, the groups of ``alternating-exp-ring``) can differ in the last bit.
+
+    Checkpoints: :meth:`state_dict` is torch.optim's format plus a ``"decent_optim"`` entry with
+    the round counter and whether a round was in flight. A round in flight is not waited for:
+    the model's parameters hold the rank's unmixed values, and the first :meth:`step` after
+    :meth:`load_state_dict` runs that round again (all ranks resume together, so their sends
+    match) before it mixes, which reproduces the uninterrupted run bit for bit.
     """
 
     #: names of the per-parameter state tensors kept in flat buffers, per param group
     _flat_state_keys: Callable[[dict[str, Any]], tuple[str, ...]]
+
+    # GradScaler calls step() even when it found inf/NaN, passing ``grad_scale`` and
+    # ``found_inf`` as attributes: the update is then skipped but the gossip round still runs
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -53,8 +86,12 @@ class DecentralizedOptimizer(Optimizer):
         process_group: Any,
         bucket_cap_mb: float,
         local_world_size: int | None,
+        timeout: float | datetime.timedelta | None,
+        global_avg_every: int | None,
     ) -> None:
         check_decentralized(topology, bucket_cap_mb, local_world_size)
+        wait_limit = check_timeout(timeout)
+        check_global_avg_every(global_avg_every)
         self._building = True
         super().__init__(params, defaults)
         self._building = False
@@ -62,22 +99,34 @@ class DecentralizedOptimizer(Optimizer):
         for p in all_params:
             check_flattenable(p)
 
-        group, world_size = _resolve_group(process_group)
+        group, world_size = resolve_group(process_group)
         self.topology = topologies.get(
             topology, world_size, resolve_local_world_size(local_world_size)
         )
         if world_size > 1:
-            device = _comm_device(group, all_params)
-            _check_same_parameters(all_params, group, device)  # collective, before any change
-        self._flat = FlatParams([g["params"] for g in self.param_groups], bucket_cap_mb)
+            device = comm_device(group, all_params)
+            check_same_parameters(all_params, group, device)  # collective, before any change
+        trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
+        self._frozen = [p for p in all_params if not p.requires_grad]
+        self._flat = FlatParams(trainable, bucket_cap_mb)
+        self._stash: list[Tensor] | None = None
         if world_size > 1:
-            src = dist.get_global_rank(group, 0)
-            for buf in self._flat.buffers:
-                dist.broadcast(buf, src=src, group=group)  # every rank starts from rank 0's x(0)
-            self._gossip: Gossiper | LocalGossiper = Gossiper(self.topology, group)
+            own = [b.clone() for b in self._flat.buffers]
+            broadcast_(self._flat.buffers, group)  # every rank starts from rank 0's x(0)
+            broadcast_([p.detach() for p in self._frozen], group)
+            if any(not torch.equal(a, b) for a, b in zip(own, self._flat.buffers)):
+                # this rank had its own weights (a resume that loaded the model first): keep
+                # them until load_state_dict can put them back, or the first step drops them
+                self._stash = own
+                self._stash_print = _fingerprint(self._flat.buffers)
+            self._gossip: Gossiper | LocalGossiper = Gossiper(
+                self.topology, group, timeout=wait_limit
+            )
         else:
             self._gossip = LocalGossiper(self.topology)
+        self._global_avg_every = global_avg_every
         self._pending: GossipHandle | None = None
+        self._relaunch = False  # a loaded checkpoint had round `_rounds` in flight
         self._rounds = 0  # completed steps; the next step waits on round `_rounds`
         self._flat_state: dict[tuple[int, str], list[Tensor]] = {}
 
@@ -98,9 +147,62 @@ class DecentralizedOptimizer(Optimizer):
         Afterwards the parameters are final for the current step: what the next :meth:`step`
         would have mixed in is already in. Cheap when nothing is in flight.
         """
+        self._launch_resumed_round()
         handle, self._pending = self._pending, None
         if handle is not None:
             handle.wait_and_mix_()
+
+    @contextlib.contextmanager
+    def averaged(self, module: torch.nn.Module | None = None) -> Iterator[None]:
+        """Within the block, every rank's parameters are the global average; restored on exit.
+
+        A collective: every rank enters it at the same point. The round in flight is waited
+        for (its values are kept to be mixed by the next :meth:`step`), the parameters are
+        replaced by their mean over all ranks and, when ``module`` is given, so are its
+        floating-point buffers (e.g. BatchNorm running statistics). On exit every value is
+        restored bit for bit, so training continues as if the block never ran.
+
+        Example:
+            >>> with opt.averaged(model):  # doctest: +SKIP
+            ...     val_loss = evaluate(model)
+        """
+        if self._pending is not None:
+            self._pending.wait()  # its sends read the buffers we are about to overwrite
+        tensors = list(self._flat.buffers)
+        if module is not None:
+            tensors += [b for b in module.buffers() if b.is_floating_point()]
+        backup = [t.detach().clone() for t in tensors]
+        try:
+            with torch.no_grad():
+                self._gossip.average_([t.detach() for t in tensors])
+            yield
+        finally:
+            with torch.no_grad():
+                for t, saved in zip(tensors, backup):
+                    t.copy_(saved)
+
+    def consensus_distance(self) -> float:
+        r"""This rank's distance to the mean parameters, :math:`\lVert x_i - \bar x \rVert_2`.
+
+        A collective (every rank calls it; each gets its own distance), over every gossiped
+        parameter, in float64. Uses the current, unmixed values, like the paper's d2c.
+        """
+        if self._pending is not None:
+            self._pending.wait()
+        values = [b.double() for b in self._flat.buffers]  # float64 copies: an exact-ish mean
+        mean = [v.clone() for v in values]
+        self._gossip.average_(mean)
+        return math.sqrt(sum(float(torch.sub(v, m).square().sum()) for v, m in zip(values, mean)))
+
+    def consensus_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
+        """``module.state_dict()`` of the globally averaged model, for export or deployment.
+
+        A collective; every rank gets the same copy (save it from rank 0). The rank's own
+        values are untouched. Example: ``sd = opt.consensus_state_dict(model)``, then on rank 0
+        ``torch.save(sd, "model.pt")``.
+        """
+        with self.averaged(module):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
     def __del__(self) -> None:
         # Finish a round still in flight before its buffers and handles go away: gloo aborts
@@ -108,7 +210,8 @@ class DecentralizedOptimizer(Optimizer):
         # out. The peers launched the same round, so this returns promptly; a dead peer makes
         # the wait fail, which must not escape a destructor.
         try:
-            self.synchronize()
+            if self._pending is not None:
+                self._pending.wait()
         except Exception:
             pass
 
@@ -123,23 +226,20 @@ class DecentralizedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p.grad.is_sparse:
-                    raise RuntimeError(
-                        f"{type(self).__name__} does not support sparse gradients; use dense "
-                        "gradients (e.g. nn.Embedding(sparse=False))"
-                    )
-        self._flat.check_aliasing()
+        self._check_step_inputs()
+        self._stash = None  # training has begun from the broadcast values
         self.synchronize()
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step
+        found_inf = getattr(self, "found_inf", None)
         for index, bucket in enumerate(self._flat.buckets):
             group = self.param_groups[bucket.group_index]
             with_grad = [k for k, p in enumerate(bucket.params) if p.grad is not None]
             if with_grad:
-                self._update(group, self._bucket_state(index, bucket, group, with_grad))
+                state = self._bucket_state(index, bucket, group, with_grad)
+                self._update(group, state, grad_scale=grad_scale, found_inf=found_inf)
         self._rounds += 1
         # launch even when no parameter had a gradient: the neighbours wait on this round
-        self._pending = self._gossip.start(self._flat.buffers, self._rounds)
+        self._pending = self._start_round()
         return loss
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -152,34 +252,99 @@ class DecentralizedOptimizer(Optimizer):
         super().add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim's format plus ``"decent_optim": {"step": rounds}``."""
-        return {**super().state_dict(), "decent_optim": {"step": self._rounds}}
+        """torch.optim's format plus ``"decent_optim": {"step": rounds, "pending": in_flight}``.
+
+        Does not wait for the round in flight; see the class docstring for how it is resumed.
+        """
+        pending = self._pending is not None or self._relaunch
+        return {**super().state_dict(), "decent_optim": {"step": self._rounds, "pending": pending}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch.optim-format state; the round counter comes from the ``decent_optim`` entry.
 
-        Without that entry (a torch.optim checkpoint) the counter is taken from the largest
-        per-parameter ``step`` in the state, or 0, which every rank loading the same file agrees on.
+        Without that entry (a torch.optim checkpoint, e.g. from DDP training) the counter is the
+        largest per-parameter ``step`` in the state, or 0, which every rank loading the same
+        file agrees on, and no round is in flight. Works in both orders of resuming: build the
+        optimizer, then load model and optimizer state; or load the model's (per-rank) weights,
+        build the optimizer, then load its state -- the start-up broadcast does not overwrite
+        the weights being resumed.
         """
-        self.synchronize()
+        if self._pending is not None:
+            self._pending.wait()  # the round of the old trajectory: finish it, then drop it
+            self._pending = None
         state_dict = dict(state_dict)
         extra = state_dict.pop("decent_optim", None)
         super().load_state_dict(state_dict)
         if extra is not None:
             self._rounds = int(extra["step"])
+            self._relaunch = bool(extra.get("pending", False))
         else:
             steps = [float(s["step"]) for s in self.state.values() if "step" in s]
             self._rounds = int(max(steps, default=0))
+            self._relaunch = False
         self._refill_flat_state()
+        stash, self._stash = self._stash, None
+        if stash is not None and _fingerprint(self._flat.buffers) == self._stash_print:
+            # the model was loaded before the optimizer was built: put this rank's weights back
+            with torch.no_grad():
+                for buf, own in zip(self._flat.buffers, stash):
+                    buf.copy_(own)
 
     # -- for subclasses ------------------------------------------------------------------------
-    def _update(self, group: dict[str, Any], state: _BucketState) -> None:
+    def _update(
+        self,
+        group: dict[str, Any],
+        state: _BucketState,
+        *,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> None:
         raise NotImplementedError
 
     def _init_state(self, group: dict[str, Any], state: dict[str, Any], p: Tensor) -> None:
         """Per-parameter state beside the flat buffers (e.g. a ``step`` counter); default none."""
 
+    def _after_load(self, state: dict[str, Any], p: Tensor) -> None:
+        """Adjust one parameter's state after :meth:`load_state_dict`; default nothing."""
+
     # -- internals ------------------------------------------------------------------------------
+    def _start_round(self) -> GossipHandle | None:
+        every = self._global_avg_every
+        global_average = bool(every) and self._rounds % every == 0  # type: ignore[operator]
+        handle = self._gossip.start(self._flat.buffers, self._rounds, global_average=global_average)
+        return None if handle.is_noop else handle
+
+    def _launch_resumed_round(self) -> None:
+        if self._relaunch:
+            self._relaunch = False
+            self._pending = self._start_round()
+
+    def _check_step_inputs(self) -> None:
+        any_grad = False
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                any_grad = True
+                if p.grad.is_sparse:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients; use dense "
+                        "gradients (e.g. nn.Embedding(sparse=False))"
+                    )
+        for p in self._frozen:
+            if p.grad is not None:
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(p.shape)} had requires_grad=False when "
+                    f"{type(self).__name__} was built, so it is not gossiped, but it now has a "
+                    "gradient; unfreeze parameters before building the optimizer"
+                )
+        if not any_grad and self._rounds == 0 and not self.state:
+            raise RuntimeError(
+                "step() was called before any backward(): no parameter has a gradient. Call "
+                "loss.backward() first (every rank must then call step() once per iteration)"
+            )
+        self._flat.check_aliasing()
+
     def _flat_views(self, index: int, bucket: Bucket, key: str) -> list[Tensor]:
         views = self._flat_state.get((index, key))
         if views is None:
@@ -217,6 +382,7 @@ class DecentralizedOptimizer(Optimizer):
                         view = self._flat_views(index, bucket, key)[k]
                         view.copy_(st[key])
                         st[key] = view
+                self._after_load(st, p)
 
 
 class _BucketState:
@@ -250,55 +416,9 @@ class _BucketState:
         )
 
 
-def _resolve_group(process_group: Any) -> tuple[Any, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        if process_group is not None:
-            raise RuntimeError(
-                "process_group was given but torch.distributed is not initialised; call "
-                "dist.init_process_group(...) first"
-            )
-        return None, 1
-    group = process_group if process_group is not None else dist.group.WORLD
-    return group, dist.get_world_size(group)
-
-
-def _comm_device(group: Any, params: list[Tensor]) -> torch.device:
-    backend = dist.get_backend(group)
-    devices = {p.device.type for p in params}
-    if backend == "nccl":
-        if devices - {"cuda"}:
-            raise ValueError(
-                f"the NCCL backend exchanges CUDA tensors only, but parameters are on {sorted(devices)}; "
-                "move the model to the GPU before building the optimizer, or use gloo"
-            )
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "gloo" and devices - {"cpu"}:
-        raise ValueError(
-            f"the gloo backend sends CPU tensors only, but parameters are on {sorted(devices)}; "
-            "use the NCCL backend for GPU training"
-        )
-    return torch.device("cpu")
-
-
-def _check_same_parameters(params: list[Tensor], group: Any, device: torch.device) -> None:
-    """All-gather a fingerprint of the parameter shapes and dtypes; raise on any difference."""
-    desc = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
-    mine = torch.tensor(
-        [len(params), sum(p.numel() for p in params), zlib.crc32(desc.encode())],
-        dtype=torch.int64,
-        device=device,
-    )
-    world = dist.get_world_size(group)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
-    rows = [tuple(int(v) for v in t.tolist()) for t in everyone]
-    differ = [r for r in range(world) if rows[r] != rows[0]]
-    if differ:
-        detail = ", ".join(
-            f"rank {r}: {rows[r][0]} tensors / {rows[r][1]} elements" for r in [0, *differ]
-        )
-        raise ValueError(
-            "the parameters differ across ranks (shapes or dtypes); every rank must build the same "
-            f"model before the optimizer. {detail}"
-            + ("" if len({r[:2] for r in rows}) > 1 else " (same sizes, different shapes or dtypes)")
-        )
+def _fingerprint(buffers: list[Tensor]) -> list[tuple[float, float]]:
+    """Cheap summary of the values (sum and 2-norm in float64), to notice a change."""
+    return [
+        (float(b.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(b, dtype=torch.float64)))
+        for b in buffers
+    ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable
 from typing import Any
 
@@ -46,7 +47,7 @@ class AccumAdam(DecentralizedOptimizer):
         lr, betas, eps, weight_decay, amsgrad, maximize: as for :class:`torch.optim.Adam`.
         accum_iter: steps per refresh of the moment bases (the paper's :math:`s`).
         foreach, fused: accepted for compatibility; the update runs torch's foreach kernels.
-        topology, process_group, bucket_cap_mb, local_world_size: as for
+        topology, process_group, bucket_cap_mb, local_world_size, timeout, global_avg_every: as for
             :class:`DecentralizedAdam`.
 
     Example:
@@ -78,6 +79,8 @@ class AccumAdam(DecentralizedOptimizer):
         process_group: Any = None,
         bucket_cap_mb: float = 25,
         local_world_size: int | None = None,
+        timeout: float | datetime.timedelta | None = None,
+        global_avg_every: int | None = None,
     ) -> None:
         check_lr(lr)
         check_eps(eps)
@@ -92,7 +95,8 @@ class AccumAdam(DecentralizedOptimizer):
         )  # fmt: skip
         super().__init__(
             params, defaults, topology=topology, process_group=process_group,
-            bucket_cap_mb=bucket_cap_mb, local_world_size=local_world_size,
+            bucket_cap_mb=bucket_cap_mb, local_world_size=local_world_size, timeout=timeout,
+            global_avg_every=global_avg_every,
         )  # fmt: skip
 
     def _flat_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -102,8 +106,23 @@ class AccumAdam(DecentralizedOptimizer):
     def _init_state(self, group: dict[str, Any], state: dict[str, Any], p: Tensor) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32)
 
-    def _update(self, group: dict[str, Any], state: _BucketState) -> None:
+    def _after_load(self, state: dict[str, Any], p: Tensor) -> None:
+        if isinstance(state.get("step"), Tensor):  # a copy: the kernel counts in place
+            state["step"] = state["step"].to(dtype=torch.float32, device="cpu", copy=True)
+
+    def _update(
+        self,
+        group: dict[str, Any],
+        state: _BucketState,
+        *,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> None:
         beta1, beta2 = group["betas"]
+        if found_inf is not None and float(found_inf):
+            return  # GradScaler found inf/NaN: skip the update (the gossip still runs)
+        if grad_scale is not None:
+            state.grads = torch._foreach_div(state.grads, grad_scale)
         steps = [int(st["step"]) + 1 for st in state.states]
         for st in state.states:
             st["step"] += 1
@@ -148,11 +167,13 @@ class AccumAdamW(AccumAdam):
         process_group: Any = None,
         bucket_cap_mb: float = 25,
         local_world_size: int | None = None,
+        timeout: float | datetime.timedelta | None = None,
+        global_avg_every: int | None = None,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, accum_iter=accum_iter,
             foreach=foreach, maximize=maximize, capturable=capturable,
             differentiable=differentiable, fused=fused, topology=topology,
             process_group=process_group, bucket_cap_mb=bucket_cap_mb,
-            local_world_size=local_world_size,
+            local_world_size=local_world_size, timeout=timeout, global_avg_every=global_avg_every,
         )  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable
 from typing import Any
 
@@ -42,6 +43,11 @@ class DecentralizedAdam(DecentralizedOptimizer):
         process_group: the workers that gossip (default: the world group).
         bucket_cap_mb: size of the flat buckets parameters are packed into.
         local_world_size: workers per node (default: ``LOCAL_WORLD_SIZE`` from torchrun, else 1).
+        timeout: seconds (or a ``timedelta``) to wait for a gossip round before raising
+            :class:`~decent_optim.gossip.GossipError` naming the round and the peers; default:
+            the process group's timeout.
+        global_avg_every: also average globally (all-reduce) every this many steps, instead of
+            that step's gossip round (Gossip-PGA); default never.
 
     Example:
         >>> opt = DecentralizedAdam(model.parameters(), lr=1e-3, topology="one-peer-exp")  # doctest: +SKIP
@@ -71,6 +77,8 @@ class DecentralizedAdam(DecentralizedOptimizer):
         process_group: Any = None,
         bucket_cap_mb: float = 25,
         local_world_size: int | None = None,
+        timeout: float | datetime.timedelta | None = None,
+        global_avg_every: int | None = None,
     ) -> None:
         check_lr(lr)
         check_eps(eps)
@@ -84,7 +92,8 @@ class DecentralizedAdam(DecentralizedOptimizer):
         )  # fmt: skip
         super().__init__(
             params, defaults, topology=topology, process_group=process_group,
-            bucket_cap_mb=bucket_cap_mb, local_world_size=local_world_size,
+            bucket_cap_mb=bucket_cap_mb, local_world_size=local_world_size, timeout=timeout,
+            global_avg_every=global_avg_every,
         )  # fmt: skip
 
     def _flat_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -95,7 +104,14 @@ class DecentralizedAdam(DecentralizedOptimizer):
         # float32 on the parameter's device: the layout torch's fused Adam keeps
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
 
-    def _update(self, group: dict[str, Any], state: _BucketState) -> None:
+    def _update(
+        self,
+        group: dict[str, Any],
+        state: _BucketState,
+        *,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> None:
         beta1, beta2 = group["betas"]
         adam_update_(
             state.params, state.grads, state.get("exp_avg"), state.get("exp_avg_sq"),
@@ -103,7 +119,15 @@ class DecentralizedAdam(DecentralizedOptimizer):
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
             maximize=group["maximize"], decoupled=group.get("decoupled_weight_decay", self._decoupled),
+            grad_scale=grad_scale, found_inf=found_inf,
         )  # fmt: skip
+
+    def _after_load(self, state: dict[str, Any], p: Tensor) -> None:
+        # torch.optim.Adam (not fused) keeps `step` on the CPU; the fused kernel wants it
+        # beside the parameter, in float32. Always a copy: torch's loader hands over the
+        # state_dict's own tensor, which the kernel would otherwise increment in place.
+        if isinstance(state.get("step"), Tensor):
+            state["step"] = state["step"].to(dtype=torch.float32, device=p.device, copy=True)
 
 
 class DecentralizedAdamW(DecentralizedAdam):
@@ -142,10 +166,12 @@ class DecentralizedAdamW(DecentralizedAdam):
         process_group: Any = None,
         bucket_cap_mb: float = 25,
         local_world_size: int | None = None,
+        timeout: float | datetime.timedelta | None = None,
+        global_avg_every: int | None = None,
     ) -> None:
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
             capturable=capturable, differentiable=differentiable, fused=fused, topology=topology,
             process_group=process_group, bucket_cap_mb=bucket_cap_mb,
-            local_world_size=local_world_size,
+            local_world_size=local_world_size, timeout=timeout, global_avg_every=global_avg_every,
         )  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,6 +37,11 @@ class DSGD(DecentralizedOptimizer):
         process_group: the workers that gossip (default: the world group).
         bucket_cap_mb: size of the flat buckets parameters are packed into.
         local_world_size: workers per node (default: ``LOCAL_WORLD_SIZE`` from torchrun, else 1).
+        timeout: seconds (or a ``timedelta``) to wait for a gossip round before raising
+            :class:`~decent_optim.gossip.GossipError` naming the round and the peers; default:
+            the process group's timeout.
+        global_avg_every: also average globally (all-reduce) every this many steps, instead of
+            that step's gossip round (Gossip-PGA); default never.
 
     Example:
         >>> opt = DSGD(model.parameters(), lr=0.1, momentum=0.9, topology="ring")  # doctest: +SKIP
@@ -61,6 +67,8 @@ class DSGD(DecentralizedOptimizer):
         process_group: Any = None,
         bucket_cap_mb: float = 25,
         local_world_size: int | None = None,
+        timeout: float | datetime.timedelta | None = None,
+        global_avg_every: int | None = None,
     ) -> None:
         check_lr(lr)
         check_momentum(momentum, dampening, nesterov)
@@ -73,13 +81,21 @@ class DSGD(DecentralizedOptimizer):
         )  # fmt: skip
         super().__init__(
             params, defaults, topology=topology, process_group=process_group,
-            bucket_cap_mb=bucket_cap_mb, local_world_size=local_world_size,
+            bucket_cap_mb=bucket_cap_mb, local_world_size=local_world_size, timeout=timeout,
+            global_avg_every=global_avg_every,
         )  # fmt: skip
 
     def _flat_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] else ()
 
-    def _update(self, group: dict[str, Any], state: _BucketState) -> None:
+    def _update(
+        self,
+        group: dict[str, Any],
+        state: _BucketState,
+        *,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> None:
         momentum = group["momentum"]
         # torch starts a momentum buffer at the gradient itself: run the new ones separately
         parts = [state.split(state.fresh), state.split([not f for f in state.fresh])]
@@ -90,5 +106,6 @@ class DSGD(DecentralizedOptimizer):
                     part.get("momentum_buffer") if momentum else [],
                     lr=group["lr"], momentum=momentum, dampening=group["dampening"],
                     weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                    maximize=group["maximize"], first_step=first_step,
+                    maximize=group["maximize"], first_step=first_step, grad_scale=grad_scale,
+                    found_inf=found_inf,
                 )  # fmt: skip
