@@ -83,13 +83,16 @@ def _train(rank, world_size, name, topology, local, steps, skip_rank_step):
     return nn.utils.parameters_to_vector(model.parameters()).detach()
 
 
-def _reference(name, topology, n, local, steps, skip_rank_step=None):
+def _reference(name, topology, n, local, steps, skip_rank_step=None, *, skips=(), mixing=None):
+    """Dense simulation of ``_train``; ``skips`` are (rank, step) pairs whose update is skipped,
+    ``mixing`` replaces the topology's ``W(t)``."""
     _, _, kind, hyper = OPTIMIZERS[name]
     model = _model()
     sizes = [p.numel() for p in model.parameters()]
     split = sum(sizes[:2])  # group 0: the first Linear's weight and bias
     segments = [Segment(0, split, hyper), Segment(split, sum(sizes), {**hyper, **GROUP1})]
     x0 = nn.utils.parameters_to_vector(model.parameters()).detach().repeat(n, 1)
+    skipped = set(skips) | ({skip_rank_step} if skip_rank_step else set())
 
     def grads(x, t):
         rows = []
@@ -100,9 +103,10 @@ def _reference(name, topology, n, local, steps, skip_rank_step=None):
             rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
         return torch.stack(rows)
 
-    topo = get_topology(topology, n, local)
-    return simulate(kind, topo.mixing_matrix, x0, grads, segments, steps,
-                    has_grad=lambda rank, t: (rank, t) != skip_rank_step)
+    if mixing is None:
+        mixing = get_topology(topology, n, local).mixing_matrix
+    return simulate(kind, mixing, x0, grads, segments, steps,
+                    has_grad=lambda rank, t: (rank, t) not in skipped)
 
 
 @pytest.mark.multiprocess
