@@ -40,6 +40,15 @@ def adam_update_(
     the one ``torch.optim.Adam(fused=True)`` uses.
     """
     torch._foreach_add_(steps, 1)
+    if torch.compiler.is_compiling():
+        # inside torch.compile (e.g. ``torch.compile(opt.step)``) the fused op cannot be
+        # functionalized on parameter views; spell the same math out in foreach ops
+        _adam_foreach_(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
+            beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            decoupled=decoupled, grad_scale=grad_scale, found_inf=found_inf,
+        )  # fmt: skip
+        return
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
     fused(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
@@ -48,6 +57,54 @@ def adam_update_(
     )  # fmt: skip
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))  # a skipped step does not count
+
+
+def _adam_foreach_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float | Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    """The fused Adam kernel's math in foreach ops (``steps`` already incremented).
+
+    Math: see :class:`decent_optim.DecentralizedAdam`.
+    """
+    if found_inf is not None or grad_scale is not None:
+        raise NotImplementedError("GradScaler with a compiled step is not supported")
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    if decoupled:
+        if weight_decay:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+    elif weight_decay:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    bias1 = [1 - beta1**s for s in steps]
+    bias2_sqrt = [(1 - beta2**s).sqrt() for s in steps]
+    second = max_exp_avg_sqs if amsgrad else exp_avg_sqs
+    if amsgrad:
+        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+    denom = torch._foreach_sqrt(second)
+    torch._foreach_div_(denom, bias2_sqrt)
+    torch._foreach_add_(denom, eps)
+    step_size = [-lr / b for b in bias1]
+    torch._foreach_mul_(denom, [1 / s for s in step_size])  # so that addcdiv adds -lr/bias1 * m/denom
+    torch._foreach_addcdiv_(params, exp_avgs, denom)
 
 
 @torch.no_grad()
