@@ -301,7 +301,7 @@ def test_periodic_global_averaging_matches_the_reference():
 # -- mixed precision: a GradScaler that skips one rank's update --------------------------------
 
 
-def _train_scaled(rank, world_size, name, inf_steps):
+def _train_scaled(rank, world_size, name, inf_steps, unscale_first=False):
     cls, kwargs, *_ = OPTIMIZERS[name]
     model = _model()
     opt = cls(_param_groups(model), **kwargs, topology="ring")
@@ -311,16 +311,19 @@ def _train_scaled(rank, world_size, name, inf_steps):
         scaler.scale(_loss(model, rank, t)).backward()
         if (rank, t) in inf_steps:
             model[0].weight.grad[0, 0] = math.inf  # this rank's update must be skipped
+        if unscale_first:  # as before gradient clipping
+            scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
     return nn.utils.parameters_to_vector(model.parameters()).detach()
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["DSGD", "DecentralizedAdamW", "AccumAdam"])
-def test_grad_scaler_skip_on_one_rank_keeps_gossip_in_step(name):
+@pytest.mark.parametrize("name, unscale_first", [("DSGD", False), ("DecentralizedAdamW", False),
+                                                 ("AccumAdam", False), ("DecentralizedAdamW", True)])
+def test_grad_scaler_skip_on_one_rank_keeps_gossip_in_step(name, unscale_first):
     inf_steps = {(1, 3), (1, 7), (2, 7)}
-    got = torch.stack(run_world(_train_scaled, 4, name, inf_steps, timeout=60))
+    got = torch.stack(run_world(_train_scaled, 4, name, inf_steps, unscale_first, timeout=60))
     # the ranks that found inf skip their update (state included) but still mix
     want = _reference(name, "ring", 4, 1, 12, skips=inf_steps)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
