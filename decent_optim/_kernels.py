@@ -59,6 +59,30 @@ def adam_update_(
         torch._foreach_sub_(steps, [found_inf] * len(steps))  # a skipped step does not count
 
 
+def _decay_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    *,
+    lr: float | Tensor,
+    weight_decay: float,
+    maximize: bool,
+    decoupled: bool,
+) -> list[Tensor]:
+    """Negate for ``maximize``, then apply weight decay as torch's Adam/AdamW do.
+
+    Decoupled decay shrinks ``params`` in place; L2 decay returns new gradients
+    ``g + weight_decay * p``. The caller's gradient tensors are never modified.
+    """
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    if decoupled:
+        if weight_decay:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+    elif weight_decay:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    return grads
+
+
 def _adam_foreach_(
     params: list[Tensor],
     grads: list[Tensor],
@@ -84,13 +108,8 @@ def _adam_foreach_(
     """
     if found_inf is not None or grad_scale is not None:
         raise NotImplementedError("GradScaler with a compiled step is not supported")
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    if decoupled:
-        if weight_decay:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
-    elif weight_decay:
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    grads = _decay_(params, grads, lr=lr, weight_decay=weight_decay, maximize=maximize,
+                    decoupled=decoupled)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
@@ -160,13 +179,8 @@ def accum_adam_update_(
     ``exp_avgs``/``exp_avg_sqs`` hold the moment bases, refreshed only every ``accum_iter`` steps
     from the mean gradient ``grad_accs`` collects. Math: see :class:`decent_optim.AccumAdam`.
     """
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    if decoupled:
-        if weight_decay:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
-    elif weight_decay:
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    grads = _decay_(params, grads, lr=lr, weight_decay=weight_decay, maximize=maximize,
+                    decoupled=decoupled)
     k = math.ceil(step / accum_iter)  # moment bases refreshed so far, counting this step's
     bias1 = 1 - beta1**k
     bias2_sqrt = math.sqrt(1 - beta2**k)
