@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import io
 import math
 import multiprocessing
@@ -547,3 +548,9 @@ def test_compiled_optimizer_step_matches_torch(cls, torch_cls):
         b.step()
     for x, y in zip(mine, theirs):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("timeout", [2.5, datetime.timedelta(seconds=2.5)], ids=["float", "timedelta"])
+def test_timeout_accepts_seconds_or_timedelta(timeout):
+    opt = dopt.DSGD(nn.Linear(2, 2).parameters(), lr=0.1, timeout=timeout)
+    assert opt.world_size == 1  # accepted; it bounds every gossip wait once there are peers
