@@ -134,6 +134,8 @@ class DecentralizedOptimizer(Optimizer):
         self.synchronize()
         for index, bucket in enumerate(self._flat.buckets):
             group = self.param_groups[bucket.group_index]
+            if self._update_bucket_fast(index, bucket, group):
+                continue
             with_grad = [k for k, p in enumerate(bucket.params) if p.grad is not None]
             if with_grad:
                 self._update(group, self._bucket_state(index, bucket, group, with_grad))
@@ -175,6 +177,10 @@ class DecentralizedOptimizer(Optimizer):
     # -- for subclasses ------------------------------------------------------------------------
     def _update(self, group: dict[str, Any], state: _BucketState) -> None:
         raise NotImplementedError
+
+    def _update_bucket_fast(self, index: int, bucket: Bucket, group: dict[str, Any]) -> bool:
+        """Optional fast path for a whole bucket; True when it did the bucket's update."""
+        return False
 
     def _init_state(self, group: dict[str, Any], state: dict[str, Any], p: Tensor) -> None:
         """Per-parameter state beside the flat buffers (e.g. a ``step`` counter); default none."""
