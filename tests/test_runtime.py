@@ -133,7 +133,7 @@ def test_communication_bound_regime():
     assert runtime.predict_allreduce(w, 4, 10.0, overlap=0.0).iteration == pytest.approx(11.0)
     g = runtime.predict_gossip(w, [10.0, 4.0], [1, 1])
     assert g.iteration == pytest.approx(7.0)
-    assert g.overlap_efficiency == pytest.approx(1.0)  # 7 / max(1, mean comm 7)
+    assert g.overlap_efficiency == pytest.approx(1.0)  # max(1, mean comm 7) / 7
     # half-overlapped all-reduce of 1 s: 0.5 s hide (less than the 2/3 s backward)
     assert runtime.predict_allreduce(w, 4, 1.0, overlap=0.5).iteration == pytest.approx(1.5)
 
@@ -182,3 +182,11 @@ def test_runtime_does_not_import_torch_distributed():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not any(m and m.split(".")[0] == "torch" for m in imported)
+
+
+def test_overlap_efficiency_is_one_when_hidden_and_half_when_serialised():
+    w = Workload(compute_mean=1.0, backward_fraction=0.5)
+    assert runtime.predict_gossip(w, [1.0], [1]).overlap_efficiency == pytest.approx(1.0)
+    # no overlap at all: compute 1 s then all-reduce 1 s, bound by max(1, 1) = 1 s
+    ar = runtime.predict_allreduce(w, 4, 1.0, overlap=0.0)
+    assert ar.overlap_efficiency == pytest.approx(0.5)
