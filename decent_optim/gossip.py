@@ -69,6 +69,10 @@ class LocalGossiper:
     def start(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
         return _DONE
 
+    def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
+        """No communication buffers in a world of one."""
+        return None
+
 
 class Gossiper:
     """Neighbour exchange over a process group, following a :class:`Topology`.
@@ -99,6 +103,7 @@ class Gossiper:
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self._subgroups: dict[tuple[int, ...], object] = {}
         self._recv: dict[int, list[Tensor]] = {}  # in-neighbour slot -> one buffer per bucket
+        self._in_flight = False  # a round was started and not yet waited for
         if transport == "allreduce":
             for r in range(topology.period):
                 if topology.groups(r) is None:
@@ -155,6 +160,32 @@ class Gossiper:
             out = self._recv[slot] = [torch.empty_like(b) for b in buffers]
         return out
 
+    def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
+        """A receive buffer of bucket ``index`` that no round is using now, or None.
+
+        Between ``wait_and_mix_`` and the next :meth:`start` the receive buffers hold nothing
+        anyone needs; the optimizer uses one as scratch for its update instead of allocating
+        another parameter-sized buffer. It must be done with it before the next :meth:`start`.
+        """
+        if self._in_flight:
+            return None
+        slot = self._recv.get(0)
+        if slot is None or index >= len(slot):
+            return None
+        buf = slot[index]
+        if (buf.shape, buf.dtype, buf.device) != (like.shape, like.dtype, like.device):
+            return None
+        return buf
+
+    def _handle(self, works: list, finish) -> GossipHandle:
+        self._in_flight = True
+
+        def done() -> None:
+            finish()
+            self._in_flight = False
+
+        return GossipHandle(works, done)
+
     def start(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
         """Launch round ``step`` for ``buffers``; every rank must call it for every step."""
         groups = self.topology.groups(step)
@@ -179,7 +210,7 @@ class Gossiper:
             for buf, total in zip(buffers, copies):
                 torch.mul(total, scale, out=buf)
 
-        return GossipHandle(works, finish)
+        return self._handle(works, finish)
 
     def _start_p2p(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
         weights = self.topology.weights(self.rank, step)
@@ -207,5 +238,5 @@ class Gossiper:
                 for slot, w in enumerate(peer_weights):
                     buf.add_(received[slot][b], alpha=w)
 
-        return GossipHandle(works, finish)
+        return self._handle(works, finish)
 

@@ -102,8 +102,8 @@ class DecentralizedAdam(DecentralizedOptimizer):
             fast = self._fast[index] = _FastBucket.build(self, index, bucket, group)
         if not fast.uniform:
             return False
-        if fast.flat_grad is not None:
-            torch._foreach_copy_(fast.grad_views, grads)
+        if fast.flat:
+            torch._foreach_copy_(fast.grad_buffer(self._gossip, index, bucket), grads)
             grads = [fast.flat_grad]
         beta1, beta2 = group["betas"]
         adam_update_uniform_(
@@ -148,8 +148,25 @@ class _FastBucket:
     was replaced since (e.g. by ``load_state_dict``).
     """
 
-    __slots__ = ("amsgrad", "exp_avg_sqs", "exp_avgs", "flat_grad", "grad_views",
-                 "max_exp_avg_sqs", "params", "step_counts", "step_views", "uniform")  # fmt: skip
+    __slots__ = ("amsgrad", "exp_avg_sqs", "exp_avgs", "flat", "flat_grad", "grad_views",
+                 "max_exp_avg_sqs", "own_grad", "params", "step_counts", "step_views",
+                 "uniform")  # fmt: skip
+
+    def grad_buffer(self, gossip: Any, index: int, bucket: Bucket) -> list[Tensor]:
+        """Per-parameter views of a flat buffer for the gradients; returns the views.
+
+        The buffer is the gossip's idle receive buffer of this bucket when there is one (free
+        between mixing and the next launch), so the flat update costs no extra memory.
+        """
+        idle = getattr(gossip, "idle_buffer", None)  # test fakes may not have one
+        buf = idle(index, bucket.data) if idle is not None else None
+        if buf is None:
+            if self.own_grad is None:
+                self.own_grad = torch.empty_like(bucket.data)
+            buf = self.own_grad
+        if buf is not self.flat_grad:
+            self.flat_grad, self.grad_views = buf, bucket.views(buf)
+        return self.grad_views
 
     def valid(self, state: Any, params: list[Tensor], amsgrad: bool) -> bool:
         return amsgrad == self.amsgrad and all(
@@ -183,13 +200,12 @@ class _FastBucket:
             self.params = [bucket.data]
             self.exp_avgs, self.exp_avg_sqs = [flat["exp_avg"]], [flat["exp_avg_sq"]]
             self.max_exp_avg_sqs = [flat["max_exp_avg_sq"]] if self.amsgrad else []
-            self.flat_grad = torch.empty_like(bucket.data)
-            self.grad_views = bucket.views(self.flat_grad)
+            self.flat, self.flat_grad, self.own_grad = True, None, None
         else:
             self.params = list(bucket.params)
             self.exp_avgs, self.exp_avg_sqs = views["exp_avg"], views["exp_avg_sq"]
             self.max_exp_avg_sqs = views["max_exp_avg_sq"] if self.amsgrad else []
-            self.flat_grad = None
+            self.flat = False
         self.uniform = True
         return self
 
