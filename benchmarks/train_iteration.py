@@ -268,15 +268,12 @@ def worker(args) -> None:
 # -- launcher -----------------------------------------------------------------------------------
 def default_methods(nproc: int, nnodes: int) -> list[str]:
     n = nproc * nnodes
-    out = ["ddp"]
-    for t in TOPOLOGIES:
-        if t == "one-peer-exp" and n & (n - 1):
-            continue
-        if t == "alternating-exp-ring" and (nnodes < 2 or nnodes & (nnodes - 1)):
-            continue
-        out.append(f"decent:{t}")
-    out += ["decentdp:ring", "decentdp:one-peer-exp" if not n & (n - 1) else "decentdp:ring"]
-    return list(dict.fromkeys(out))
+    fit = [t for t in TOPOLOGIES
+           if not (t == "one-peer-exp" and n & (n - 1))
+           and not (t == "alternating-exp-ring" and (nnodes < 2 or nnodes & (nnodes - 1)))]  # fmt: skip
+    # Decent-DP's own topologies (it has no odd-size ring; its complete is the all-reduce)
+    theirs = [t for t in fit if t != "complete" and not (t == "ring" and n % 2)]
+    return ["ddp"] + [f"decent:{t}" for t in fit] + [f"decentdp:{t}" for t in theirs]
 
 
 def launch(args, rest: list[str]) -> None:
