@@ -93,6 +93,12 @@ class DecentralizedAdam(DecentralizedOptimizer):
         # After the first step, when every parameter of the bucket has a gradient and all are at
         # the same step, the update is one kernel call on cached lists (or on the flat buffers)
         # and one increment of a shared step vector: no per-parameter state lookups.
+        if (
+            getattr(self, "grad_scale", None) is not None  # set by torch's GradScaler.step
+            or getattr(self, "found_inf", None) is not None
+            or torch.compiler.is_compiling()  # cached Python lists: leave tracing to the general path
+        ):
+            return False
         grads = [p.grad for p in bucket.params]
         if any(g is None for g in grads):
             self._fast.pop(index, None)  # these parameters skip a step: counts will differ
