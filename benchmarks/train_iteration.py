@@ -35,6 +35,7 @@ import math
 import os
 import random
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -308,6 +309,7 @@ def launch(args, rest: list[str]) -> None:
             rows.append(json.loads(part.read_text()))
     if node_rank != 0 or not rows:
         return
+    shutil.rmtree(parts, ignore_errors=True)
     ddp = next((r for r in rows if r["method"] == "ddp"), None)
     for r in rows:
         r["speedup_vs_ddp"] = ddp["iteration_ms"] / r["iteration_ms"] if ddp else None
