@@ -127,6 +127,41 @@ def _adam_foreach_(
 
 
 @torch.no_grad()
+def adam_update_uniform_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor],
+    step_counts: Tensor,
+    *,
+    lr: float | Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+) -> None:
+    """:func:`adam_update_` for tensors that are all at the same step.
+
+    ``step_counts`` holds every parameter's step counter (equal values); it is incremented with
+    one operation, and its first entry serves as the step of every tensor in the lists (which
+    may be a single flat buffer covering all the parameters). Math: see
+    :class:`decent_optim.DecentralizedAdam`.
+    """
+    step_counts.add_(1)
+    step = step_counts[0]
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    fused(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, [step] * len(params),
+        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+        amsgrad=amsgrad, maximize=maximize,
+    )  # fmt: skip
+
+
+@torch.no_grad()
 def sgd_update_(
     params: list[Tensor],
     grads: list[Tensor],

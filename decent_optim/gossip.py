@@ -73,9 +73,11 @@ class GossipHandle:
         round: int = 0,
         rank: int = 0,
         timeout: datetime.timedelta | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self._works = works  # (work, peer it talks to, or None for a group collective)
         self._finish = finish
+        self._on_close = on_close  # run once the received values are consumed or dropped
         self.round, self.rank, self.timeout = round, rank, timeout
 
     @property
@@ -111,6 +113,18 @@ class GossipHandle:
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()
+        self._close()
+
+    def discard(self) -> None:
+        """Complete the exchange but drop its values (the parameters stay as they are)."""
+        self.wait()
+        self._finish = None
+        self._close()
+
+    def _close(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
     def wait_and_mix_(self) -> None:
         self.wait()
@@ -134,6 +148,10 @@ class LocalGossiper:
 
     def average_(self, tensors: Sequence[Tensor]) -> None:
         """The mean over one rank is the tensor itself."""
+
+    def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
+        """No communication buffers in a world of one."""
+        return None
 
 
 class Gossiper:
@@ -175,6 +193,7 @@ class Gossiper:
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self._subgroups: dict[tuple[int, ...], object] = {}
         self._recv: dict[int, list[Tensor]] = {}  # in-neighbour slot -> one buffer per bucket
+        self._in_flight = False  # a round holds the receive buffers (started, not yet mixed)
         if transport == "allreduce":
             for r in range(topology.period):
                 if topology.groups(r) is None:
@@ -231,6 +250,33 @@ class Gossiper:
             out = self._recv[slot] = [torch.empty_like(b) for b in buffers]
         return out
 
+    def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
+        """A receive buffer of bucket ``index`` that no round is using now, or None.
+
+        Between ``wait_and_mix_`` and the next :meth:`start` the receive buffers hold nothing
+        anyone needs; the optimizer uses one as scratch for its update instead of allocating
+        another parameter-sized buffer. It must be done with it before the next :meth:`start`.
+        """
+        if self._in_flight:
+            return None
+        slot = self._recv.get(0)
+        if slot is None or index >= len(slot):
+            return None
+        buf = slot[index]
+        if (buf.shape, buf.dtype, buf.device) != (like.shape, like.dtype, like.device):
+            return None
+        return buf
+
+    def _handle(self, works: list, finish: Callable[[], None], step: int) -> GossipHandle:
+        self._in_flight = True  # the receive buffers hold this round until it is closed
+
+        def close() -> None:
+            self._in_flight = False
+
+        return GossipHandle(
+            works, finish, round=step, rank=self.rank, timeout=self.timeout, on_close=close
+        )
+
     def start(
         self, buffers: Sequence[Tensor], step: int, *, global_average: bool = False
     ) -> GossipHandle:
@@ -271,7 +317,7 @@ class Gossiper:
             for buf, total in zip(buffers, copies):
                 torch.mul(total, scale, out=buf)
 
-        return GossipHandle(works, finish, round=step, rank=self.rank, timeout=self.timeout)
+        return self._handle(works, finish, step)
 
     def _start_p2p(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
         weights = self.topology.weights(self.rank, step)
@@ -301,7 +347,7 @@ class Gossiper:
                 for slot, w in enumerate(peer_weights):
                     buf.add_(received[slot][b], alpha=w)
 
-        return GossipHandle(works, finish, round=step, rank=self.rank, timeout=self.timeout)
+        return self._handle(works, finish, step)
 
 
 def resolve_group(process_group: Any) -> tuple[Any, int]:

@@ -233,6 +233,8 @@ class DecentralizedOptimizer(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         for index, bucket in enumerate(self._flat.buckets):
             group = self.param_groups[bucket.group_index]
+            if self._update_bucket_fast(index, bucket, group):
+                continue
             with_grad = [k for k, p in enumerate(bucket.params) if p.grad is not None]
             if with_grad:
                 state = self._bucket_state(index, bucket, group, with_grad)
@@ -270,7 +272,7 @@ class DecentralizedOptimizer(Optimizer):
         the weights being resumed.
         """
         if self._pending is not None:
-            self._pending.wait()  # the round of the old trajectory: finish it, then drop it
+            self._pending.discard()  # the round of the old trajectory: finish it, drop it
             self._pending = None
         state_dict = dict(state_dict)
         extra = state_dict.pop("decent_optim", None)
@@ -300,6 +302,10 @@ class DecentralizedOptimizer(Optimizer):
         found_inf: Tensor | None,
     ) -> None:
         raise NotImplementedError
+
+    def _update_bucket_fast(self, index: int, bucket: Bucket, group: dict[str, Any]) -> bool:
+        """Optional fast path for a whole bucket; True when it did the bucket's update."""
+        return False
 
     def _init_state(self, group: dict[str, Any], state: dict[str, Any], p: Tensor) -> None:
         """Per-parameter state beside the flat buffers (e.g. a ``step`` counter); default none."""

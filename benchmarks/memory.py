@@ -1,0 +1,131 @@
+"""Optimizer + communication memory per parameter, per class, on 2 gloo ranks.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/memory.py
+
+After a few steps on a model of many small and a few large tensors, every tensor reachable from
+the optimizer object (its state, flat buffers, gossip receive buffers, scratch) is collected,
+unique by storage; the parameters' own storage (the flat parameter buckets) and the gradients
+are left out, as torch counts them apart from the optimizer. The result is given in bytes and in
+parameter-sized buffers (bytes / (numel * element size)). Decent-DP's wrapper is walked the same
+way (its optimizers, parameter copies and communication blocks). DDP's reducer buckets live in
+C++ and are not reachable, so DDP is listed with its optimizer only.
+Results: ``benchmarks/results/memory.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import decent_optim as dopt
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64) for _ in range(40)] + [nn.Linear(64, 512), nn.Linear(512, 512)]
+    return nn.Sequential(*layers)
+
+
+def reachable_tensors(root, skip_ids: set[int]) -> dict[int, int]:
+    """{storage pointer: bytes} of every tensor reachable from ``root`` through attributes."""
+    seen: set[int] = set()
+    out: dict[int, int] = {}
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or id(obj) in skip_ids:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+            continue
+        if isinstance(obj, dict):
+            stack += list(obj.keys()) + list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack += list(obj)
+        elif isinstance(obj, (str, bytes, int, float, bool, type(None), torch.dtype, torch.device)):
+            continue
+        elif callable(obj) and not hasattr(obj, "__dict__"):
+            continue
+        else:
+            if hasattr(obj, "__dict__") and not isinstance(obj, type):
+                stack += list(vars(obj).values())
+            for cls in type(obj).__mro__:
+                for name in getattr(cls, "__slots__", ()):
+                    if hasattr(obj, name):
+                        stack.append(getattr(obj, name))
+    return out
+
+
+def measure(name: str, build) -> dict:
+    net = model()
+    params = list(net.parameters())
+    numel = sum(p.numel() for p in params)
+    holder, step = build(net)
+    for _ in range(3):
+        forward = holder if isinstance(holder, nn.Module) else net  # Decent-DP wraps the model
+        forward(torch.randn(8, 64)).square().mean().backward()
+        step()
+    if hasattr(holder, "synchronize"):
+        holder.synchronize()
+    exclude = {p.untyped_storage().data_ptr() for p in params}
+    exclude |= {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
+    found = reachable_tensors(holder, skip_ids={id(net)})
+    extra = sum(b for ptr, b in found.items() if ptr not in exclude and b > 64)
+    return {"class": name, "params": numel, "bytes": extra, "bytes_per_param": extra / numel,
+            "param_buffers": extra / (numel * 4)}  # fmt: skip
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    kw = dict(lr=1e-3)
+    cases = [("torch.optim.AdamW (reference)", lambda n: _opt(torch.optim.AdamW(n.parameters(), **kw)))]
+    for topo in ("ring", "complete"):
+        for cls in (dopt.DSGD, dopt.DecentralizedAdam, dopt.DecentralizedAdamW, dopt.AccumAdam,
+                    dopt.AccumAdamW):  # fmt: skip
+            extra = dict(momentum=0.9) if cls is dopt.DSGD else {}
+            cases.append((f"{cls.__name__} ({topo})",
+                          partial(lambda n, c, t, e: _opt(c(n.parameters(), topology=t, **kw, **e)),
+                                  c=cls, t=topo, e=extra)))  # fmt: skip
+    try:
+        from decent_dp.ddp import DecentralizedDataParallel
+        from decent_dp.optim import optim_fn_adamw
+
+        def decentdp(n):
+            w = DecentralizedDataParallel(n, optim_fn=optim_fn_adamw, topology="ring")
+            return w, (lambda: None)
+
+        cases.append(("Decent-DP 0.2.3 AdamW (ring)", decentdp))
+    except ImportError:
+        pass
+    rows = [measure(name, build) for name, build in cases]
+    if dist.get_rank() == 0:
+        lines = ["| optimizer (topology) | bytes / param | param-sized buffers |", "|---|---:|---:|"]
+        lines += [f"| {r['class']} | {r['bytes_per_param']:.2f} | {r['param_buffers']:.2f} |" for r in rows]
+        table = (f"optimizer + communication memory beyond parameters and gradients, 2 ranks, "
+                 f"float32, {rows[0]['params'] / 1e6:.2f}M parameters\n\n" + "\n".join(lines))  # fmt: skip
+        print(table)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "memory.json").write_text(json.dumps(rows, indent=2))
+        (RESULTS / "memory.md").write_text(table + "\n")
+    dist.destroy_process_group()
+
+
+def _opt(opt):
+    def step():
+        opt.step()
+        opt.zero_grad()
+
+    return opt, step
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Time of one optimizer step in one process: decent_optim vs torch.optim.AdamW.
+
+    python benchmarks/optimizer_step.py                 # CPU; --device cuda on a GPU
+
+Two model shapes: ``many-small`` (hundreds of small tensors) and ``few-large`` (a few large
+ones, 10M+ parameters). Methods, run interleaved round-robin so machine load hits all alike:
+
+* ``torch-foreach`` / ``torch-fused``: ``torch.optim.AdamW(foreach=True)`` / ``(fused=True)``;
+* ``decent-update``: ``DecentralizedAdamW.step()`` with one worker (the local update only);
+* ``decent-step``: the full step, mix + update: the optimizer's gossip is replaced by a loopback
+  that mixes each bucket with a fixed "received" copy (the pair average ``(x + x_j) / 2`` that a
+  ring round computes), so it times the arithmetic of a step without the network.
+
+Effective bandwidth counts the bytes a step must move: AdamW reads p, g, m, v and writes p, m, v
+(28 bytes per float32 parameter); the mix adds a read of p and of the received copy and a write
+of p (12 more). Results go to ``benchmarks/results/optimizer_step.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import decent_optim as dopt
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def shapes(name: str) -> list[tuple[int, ...]]:
+    if name == "many-small":  # ~ 600 tensors, 2.4M parameters: biases, norms, small matrices
+        out: list[tuple[int, ...]] = []
+        for _ in range(150):
+            out += [(64, 128), (128,), (128, 64), (64,)]
+        return out
+    if name == "few-large":  # 4 tensors, 12.6M parameters
+        return [(2048, 2048), (2048, 1024), (1024, 2048), (1024, 2048)]
+    raise ValueError(name)
+
+
+class _Loopback:
+    """A gossiper whose round mixes each buffer with a stored copy: the math of a pair round."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self) -> None:
+        self.received: list[torch.Tensor] | None = None
+
+    def start(self, buffers, step, **kwargs):  # kwargs: future options of Gossiper.start
+        if self.received is None:
+            self.received = [b.clone() for b in buffers]
+        received = self.received
+
+        class _Handle:
+            def wait_and_mix_(self) -> None:
+                for buf, other in zip(buffers, received):
+                    buf.add_(other).mul_(0.5)  # what Gossiper does after a pair round
+
+        return _Handle()
+
+
+def make(method: str, params: list[torch.Tensor]):
+    kw = dict(lr=1e-4, weight_decay=0.01)
+    if method == "torch-foreach":
+        return torch.optim.AdamW(params, foreach=True, **kw)
+    if method == "torch-fused":
+        return torch.optim.AdamW(params, fused=True, **kw)
+    opt = dopt.DecentralizedAdamW(params, **kw)
+    if method == "decent-step":
+        opt._gossip = _Loopback()
+    return opt
+
+
+def run(shape_name: str, device: str, iters: int, warmup: int) -> list[dict]:
+    methods = ["torch-foreach", "torch-fused", "decent-update", "decent-step"]
+    gen = torch.Generator().manual_seed(0)
+    setups = {}
+    for m in methods:
+        params = [torch.randn(s, generator=gen).to(device).requires_grad_() for s in shapes(shape_name)]
+        grads = [torch.randn(s, generator=gen).to(device) for s in shapes(shape_name)]
+        for p, g in zip(params, grads):
+            p.grad = g
+        setups[m] = make(m, params)
+    numel = sum(p.numel() for p in setups[methods[0]].param_groups[0]["params"])
+    samples: dict[str, list[float]] = {m: [] for m in methods}
+    for it in range(warmup + iters):
+        for m in methods:  # round robin: background load affects every method alike
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            setups[m].step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if it >= warmup:
+                samples[m].append(time.perf_counter() - t0)
+    fused = statistics.median(samples["torch-fused"])
+    rows = []
+    for m in methods:
+        t = statistics.median(samples[m])
+        moved = numel * 4 * (28 + (12 if m == "decent-step" else 0)) // 4
+        rows.append({
+            "shape": shape_name, "method": m, "tensors": len(shapes(shape_name)), "params": numel,
+            "median_ms": t * 1e3, "GB_per_s": moved / t / 1e9, "vs_torch_fused": t / fused,
+        })  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--shapes", nargs="+", default=["many-small", "few-large"])
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for s in args.shapes:
+        print(f"[optimizer_step] {s} ...", flush=True)
+        rows += run(s, args.device, args.iters, args.warmup)
+    lines = [
+        f"optimizer step, one process, {args.device}, {torch.get_num_threads()} threads, "
+        f"median of {args.iters} steps (torch {torch.__version__})",
+        "",
+        "| shape | tensors | params | method | ms / step | effective GB/s | vs torch fused |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['tensors']} | {r['params'] / 1e6:.1f}M | {r['method']} | "
+            f"{r['median_ms']:.2f} | {r['GB_per_s']:.1f} | {r['vs_torch_fused']:.2f}x |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "optimizer_step.json").write_text(json.dumps({"device": args.device, "rows": rows}, indent=2))
+    (out / "optimizer_step.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Measure this cluster and predict which method trains fastest: ``python -m decent_optim.plan``.
+
+Run it with the launcher and node layout of the real job, for example::
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:PORT -m decent_optim.plan --params 65e6
+
+In well under a minute it measures, at the given model size:
+
+* the compute time of one forward + backward of a synthetic workload (a stack of square matrix
+  multiplications holding ``--params`` parameters) on every rank, its mean and spread, and the
+  forward's share of it;
+* the local optimizer step (torch's fused AdamW on that many parameters);
+* one all-reduce of the whole model (what DDP moves per iteration, without its overlap);
+* one gossip round of each topology that fits the world size, round by round.
+
+Rank 0 then prints the :mod:`decent_optim.runtime` predictions: time per iteration for
+All-Reduce and each topology and the speedup over All-Reduce. Your model's compute time can be
+given with ``--compute-ms`` (and ``--compute-std-ms``) instead of the synthetic workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from decent_optim import runtime, topologies
+from decent_optim.gossip import Gossiper
+
+__all__ = ["main", "measure"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The largest value over the ranks (an operation ends when its slowest rank is done)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _gather(values: list[float], device: torch.device) -> list[float]:
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [float(v) for t in everyone for v in t.tolist()]
+
+
+def _synthetic_model(params: int, layers: int, device: torch.device, dtype: torch.dtype):
+    width = max(1, int(math.sqrt(params / layers)))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    weights = [
+        (torch.randn(width, width, generator=gen, dtype=dtype) / math.sqrt(width))
+        .to(device)
+        .requires_grad_()
+        for _ in range(layers)
+    ]
+    return weights, width
+
+
+def _compute_times(weights, batch: int, iters: int, device: torch.device) -> tuple[list, list]:
+    """Seconds of forward+backward and of the forward alone, per iteration, on this rank."""
+    x = torch.randn(batch, weights[0].shape[0], device=device, dtype=weights[0].dtype)
+    total, forward = [], []
+    for it in range(iters + 2):  # two warm-up iterations
+        _sync(device)
+        t0 = time.perf_counter()
+        h = x
+        for w in weights:
+            h = torch.relu(h @ w)
+        loss = h.square().mean()
+        _sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        t2 = time.perf_counter()
+        for w in weights:
+            w.grad = None
+        if it >= 2:
+            total.append(t2 - t0)
+            forward.append(t1 - t0)
+    return total, forward
+
+
+def _update_time(weights, reps: int, device: torch.device) -> float:
+    for w in weights:
+        w.grad = torch.zeros_like(w)
+    fused = device.type in ("cuda", "cpu")
+    opt = torch.optim.AdamW(weights, lr=1e-9, fused=fused)
+    samples = []
+    for it in range(reps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        if it:
+            samples.append(time.perf_counter() - t0)
+    for w in weights:
+        w.grad = None
+    return statistics.median(samples)
+
+
+def _allreduce_time(numel: int, reps: int, device: torch.device, dtype: torch.dtype) -> float:
+    buf = torch.zeros(numel, device=device, dtype=dtype)
+    samples = []
+    for it in range(reps + 1):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        _sync(device)
+        if it:
+            samples.append(_slowest(time.perf_counter() - t0, device))
+    return statistics.median(samples)
+
+
+def _gossip_round_times(topo, numel: int, reps: int, device, dtype) -> list[float]:
+    gossip = Gossiper(topo)
+    buffers = [torch.zeros(numel, device=device, dtype=dtype)]
+    times = []
+    for r in range(topo.period):
+        samples = []
+        for rep in range(reps + 1):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            gossip.start(buffers, r + rep * topo.period).wait_and_mix_()
+            _sync(device)
+            if rep:
+                samples.append(_slowest(time.perf_counter() - t0, device))
+        times.append(statistics.median(samples))
+    return times
+
+
+def measure(args: argparse.Namespace, device: torch.device) -> dict:
+    """Everything the runtime model needs, measured on this world; the same dict on every rank."""
+    dtype = getattr(torch, args.dtype)
+    n = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    weights, width = _synthetic_model(int(args.params), args.layers, device, dtype)
+    numel = sum(w.numel() for w in weights)
+    if args.compute_ms is not None:
+        compute_mean, compute_std = args.compute_ms / 1e3, args.compute_std_ms / 1e3
+        fwd_share = 1 / 3
+    else:
+        total, forward = _compute_times(weights, args.batch, args.iters, device)
+        everyone, everyone_fwd = _gather(total, device), _gather(forward, device)
+        compute_mean = statistics.fmean(everyone)
+        compute_std = statistics.pstdev(everyone)
+        fwd_share = statistics.fmean(everyone_fwd) / compute_mean
+    update = _slowest(_update_time(weights, args.reps, device), device)
+    result = {
+        "world_size": n,
+        "local_world_size": local,
+        "backend": dist.get_backend(),
+        "params": numel,
+        "bytes": numel * weights[0].element_size(),
+        "compute_mean_s": compute_mean,
+        "compute_std_s": compute_std,
+        "backward_fraction": 1 - fwd_share,
+        "update_s": update,
+        "allreduce_s": _allreduce_time(numel, args.reps, device, dtype),
+        "gossip": {},
+    }
+    for name in args.topologies:
+        try:
+            topo = topologies.get(name, n, local)
+        except ValueError:
+            continue  # this world size or node layout does not fit the topology
+        result["gossip"][name] = {
+            "round_s": _gossip_round_times(topo, numel, args.reps, device, dtype),
+            "degrees": runtime.round_degrees(topo),
+        }
+    return result
+
+
+def predict(measured: dict, overlap: float) -> list[tuple[runtime.Prediction, float]]:
+    workload = runtime.Workload(
+        compute_mean=measured["compute_mean_s"],
+        compute_std=measured["compute_std_s"],
+        update_time=measured["update_s"],
+        backward_fraction=min(1.0, max(0.0, measured["backward_fraction"])),
+    )
+    gossip = {k: (v["round_s"], v["degrees"]) for k, v in measured["gossip"].items()}
+    return runtime.recommend(workload, measured["world_size"], measured["allreduce_s"], gossip, overlap)
+
+
+def format_table(measured: dict, rows: list[tuple[runtime.Prediction, float]]) -> str:
+    m = measured
+    lines = [
+        f"{m['world_size']} workers ({m['local_world_size']} per node, {m['backend']}), "
+        f"{m['params'] / 1e6:.2f}M parameters ({m['bytes'] / 2**20:.1f} MiB)",
+        f"compute {m['compute_mean_s'] * 1e3:.1f} ms +- {m['compute_std_s'] * 1e3:.1f} ms, "
+        f"local update {m['update_s'] * 1e3:.1f} ms, all-reduce {m['allreduce_s'] * 1e3:.1f} ms",
+        "",
+        "| method | predicted ms / iteration | waits on compute ms | communication ms | exposed ms | speedup vs all-reduce |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for p, speedup in rows:
+        lines.append(
+            f"| {p.method} | {p.iteration * 1e3:.1f} | {p.compute * 1e3:.1f} | {p.comm * 1e3:.1f} "
+            f"| {p.exposed_comm * 1e3:.1f} | {speedup:.2f}x |"
+        )
+    best, speedup = rows[0]
+    lines += ["", f"recommended: {best.method} ({speedup:.2f}x the speed of all-reduce, predicted)"]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m decent_optim.plan", description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=float, default=10e6, help="model size in parameters (default 10M)")
+    p.add_argument("--layers", type=int, default=4, help="square layers of the synthetic workload")
+    p.add_argument("--batch", type=int, default=64, help="rows per forward of the synthetic workload")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--iters", type=int, default=10, help="timed compute iterations per rank")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions of each communication")
+    p.add_argument("--compute-ms", type=float, default=None, help="use this compute time instead")
+    p.add_argument("--compute-std-ms", type=float, default=0.0)
+    p.add_argument("--overlap", type=float, default=1.0,
+                   help="fraction of DDP's all-reduce that can hide behind backward (default 1)")  # fmt: skip
+    p.add_argument("--topologies", nargs="+", default=topologies.names())
+    p.add_argument("--json", default=None, help="also write the measurements and predictions here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not 0 <= args.overlap <= 1:
+        raise SystemExit(f"--overlap must be in [0, 1], got {args.overlap}")
+    if "RANK" not in os.environ:
+        raise SystemExit("run me under torchrun, e.g. torchrun --nproc-per-node 2 -m decent_optim.plan")
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    try:
+        measured = measure(args, device)
+        rows = predict(measured, args.overlap)
+        if dist.get_rank() == 0:
+            print(format_table(measured, rows), flush=True)
+            if args.json:
+                out = {
+                    "measured": measured,
+                    "predicted": [
+                        {"method": p.method, "iteration_s": p.iteration, "speedup": s,
+                         "compute_s": p.compute, "comm_s": p.comm, "exposed_s": p.exposed_comm}
+                        for p, s in rows
+                    ],
+                }  # fmt: skip
+                with open(args.json, "w") as f:
+                    json.dump(out, f, indent=2)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
