@@ -26,6 +26,7 @@ all-reduce took 0.55-0.62x the time of three point-to-point exchanges per rank (
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -83,10 +84,13 @@ class Gossiper:
     build its ``Gossiper`` at the same point of the program.
     """
 
-    def __init__(self, topology: Topology, group=None, transport: str = "auto") -> None:
+    def __init__(
+        self, topology: Topology, group: dist.ProcessGroup | None = None, transport: str = "auto"
+    ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        self.group = group if group is not None else dist.group.WORLD
+        # the world group is typed Optional, but it is set once the process group is initialised
+        self.group = cast(dist.ProcessGroup, group if group is not None else dist.group.WORLD)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         if topology.world_size != self.world_size:
@@ -208,4 +212,3 @@ class Gossiper:
                     buf.add_(received[slot][b], alpha=w)
 
         return GossipHandle(works, finish)
-

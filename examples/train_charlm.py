@@ -117,14 +117,19 @@ def main() -> None:
     torch.manual_seed(args.seed)  # same initial model everywhere (rank 0's is broadcast anyway)
     model = CharGPT(len(chars))
     opt = dopt.DecentralizedAdamW(  # was: torch.optim.AdamW(model.parameters(), ...)
-        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+        model.parameters(),
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
         topology=args.topology,
     )
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # own batches per rank
 
     if rank == 0:
-        print(f"world size {world_size}, topology {args.topology}, {len(data):,} characters, "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters per worker")
+        print(
+            f"world size {world_size}, topology {args.topology}, {len(data):,} characters, "
+            f"{sum(p.numel() for p in model.parameters()):,} parameters per worker"
+        )
     first = last = float("nan")
     window = []  # this rank's losses since the last report
     start = time.perf_counter()
@@ -147,8 +152,10 @@ def main() -> None:
     per_iter = (time.perf_counter() - start) / args.steps
 
     if rank == 0:
-        print(f"done: loss {first:.3f} (step 1) -> {last:.3f} (last report), "
-              f"{1000 * per_iter:.0f} ms/iteration over {args.steps} steps, {world_size} worker(s)")
+        print(
+            f"done: loss {first:.3f} (step 1) -> {last:.3f} (last report), "
+            f"{1000 * per_iter:.0f} ms/iteration over {args.steps} steps, {world_size} worker(s)"
+        )
     if dist.is_initialized():
         dist.destroy_process_group()
 

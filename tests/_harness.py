@@ -54,9 +54,10 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["WorldError", "WorldTimeoutError", "pool_pids", "run_world", "run_world_fresh", "shutdown_pools"]
 
@@ -274,7 +275,7 @@ class _Pool:
         """
         message = pickle.dumps((list(sys.path), task))
         deadline = time.monotonic() + timeout
-        for rank, conn in enumerate(self._conns):
+        for conn in self._conns:
             try:
                 conn.send_bytes(message)
             except OSError:  # the worker is gone; _collect reports how it died

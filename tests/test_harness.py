@@ -6,7 +6,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import WorldError, WorldTimeoutError, pool_pids, run_world, run_world_fresh
 
 pytestmark = pytest.mark.multiprocess

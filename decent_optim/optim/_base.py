@@ -202,7 +202,8 @@ class DecentralizedOptimizer(Optimizer):
                     st[key] = views[key][k]
                 self._init_state(group, st, p)
             states.append(st)
-        return _BucketState(params, [p.grad for p in params], states, fresh)
+        grads = [p.grad for p in params]  # with_grad lists only parameters whose grad is set
+        return _BucketState(params, grads, states, fresh)  # type: ignore[arg-type]
 
     def _refill_flat_state(self) -> None:
         """After torch's loader made new state tensors, copy them into the flat buffers."""
@@ -300,5 +301,9 @@ def _check_same_parameters(params: list[Tensor], group: Any, device: torch.devic
         raise ValueError(
             "the parameters differ across ranks (shapes or dtypes); every rank must build the same "
             f"model before the optimizer. {detail}"
-            + ("" if len({r[:2] for r in rows}) > 1 else " (same sizes, different shapes or dtypes)")
+            + (
+                ""
+                if len({r[:2] for r in rows}) > 1
+                else " (same sizes, different shapes or dtypes)"
+            )
         )
