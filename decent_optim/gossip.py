@@ -25,7 +25,7 @@ all-reduce took 0.55-0.62x the time of three point-to-point exchanges per rank (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -42,7 +42,7 @@ TRANSPORTS = ("auto", "p2p", "allreduce")
 class GossipHandle:
     """A round in flight; :meth:`wait_and_mix_` completes it (at most once)."""
 
-    def __init__(self, works: list, finish) -> None:  # finish: () -> None, the mixing
+    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None) -> None:
         self._works = works
         self._finish = finish
 
