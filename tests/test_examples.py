@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
 TIMEOUT_S = 240  # start-up of 2 ranks plus a few steps; generous for a busy 2-core machine
 
 # script, arguments for a few quick steps, text the final summary must contain
@@ -46,6 +47,8 @@ CASES = [
 
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # the checkout's decent_optim wins over an installed one, as in conftest.py
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     for var in (
         "WORLD_SIZE",
         "RANK",
