@@ -47,7 +47,9 @@ def main() -> None:
             opt = make(params)
             step = torch.compile(opt.step) if compiled else opt.step
             rows.append((name, "compiled" if compiled else "eager", timed_steps(step, params)))
-    print(f"{args.tensors} tensors, {args.params:,} parameters, float32, CPU, {torch.get_num_threads()} threads")
+    print(
+        f"{args.tensors} tensors, {args.params:,} parameters, float32, CPU, {torch.get_num_threads()} threads"
+    )
     print("| optimizer | step | ms per step |")
     print("|---|---|---:|")
     for name, mode, ms in rows:

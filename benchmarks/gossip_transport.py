@@ -21,7 +21,9 @@ from decent_optim.gossip import Gossiper
 from decent_optim.topologies import get
 
 
-def time_rounds(gossip: Gossiper, buffers: list[torch.Tensor], rounds: int, warmup: int = 3) -> float:
+def time_rounds(
+    gossip: Gossiper, buffers: list[torch.Tensor], rounds: int, warmup: int = 3
+) -> float:
     samples = []
     for t in range(warmup + rounds):
         dist.barrier()
@@ -53,11 +55,13 @@ def main() -> None:
             rows.append((name, mb, times))
     if rank == 0:
         print(f"gloo, {n} ranks, median seconds per round (slowest rank), {args.rounds} rounds")
-        print(f"| topology | MB | p2p | allreduce | auto | p2p / allreduce |")
-        print(f"|---|---:|---:|---:|---:|---:|")
+        print("| topology | MB | p2p | allreduce | auto | p2p / allreduce |")
+        print("|---|---:|---:|---:|---:|---:|")
         for name, mb, t in rows:
-            print(f"| {name} | {mb:g} | {t['p2p']*1e3:.1f} ms | {t['allreduce']*1e3:.1f} ms | "
-                  f"{t['auto']*1e3:.1f} ms | {t['p2p']/t['allreduce']:.2f} |")
+            print(
+                f"| {name} | {mb:g} | {t['p2p'] * 1e3:.1f} ms | {t['allreduce'] * 1e3:.1f} ms | "
+                f"{t['auto'] * 1e3:.1f} ms | {t['p2p'] / t['allreduce']:.2f} |"
+            )
     dist.destroy_process_group()
 
 

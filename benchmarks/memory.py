@@ -87,7 +87,9 @@ def measure(name: str, build) -> dict:
 def main() -> None:
     dist.init_process_group("gloo")
     kw = dict(lr=1e-3)
-    cases = [("torch.optim.AdamW (reference)", lambda n: _opt(torch.optim.AdamW(n.parameters(), **kw)))]
+    cases = [
+        ("torch.optim.AdamW (reference)", lambda n: _opt(torch.optim.AdamW(n.parameters(), **kw)))
+    ]
     for topo in ("ring", "complete"):
         for cls in (dopt.DSGD, dopt.DecentralizedAdam, dopt.DecentralizedAdamW, dopt.AccumAdam,
                     dopt.AccumAdamW):  # fmt: skip
@@ -108,8 +110,14 @@ def main() -> None:
         pass
     rows = [measure(name, build) for name, build in cases]
     if dist.get_rank() == 0:
-        lines = ["| optimizer (topology) | bytes / param | param-sized buffers |", "|---|---:|---:|"]
-        lines += [f"| {r['class']} | {r['bytes_per_param']:.2f} | {r['param_buffers']:.2f} |" for r in rows]
+        lines = [
+            "| optimizer (topology) | bytes / param | param-sized buffers |",
+            "|---|---:|---:|",
+        ]
+        lines += [
+            f"| {r['class']} | {r['bytes_per_param']:.2f} | {r['param_buffers']:.2f} |"
+            for r in rows
+        ]
         table = (f"optimizer + communication memory beyond parameters and gradients, 2 ranks, "
                  f"float32, {rows[0]['params'] / 1e6:.2f}M parameters\n\n" + "\n".join(lines))  # fmt: skip
         print(table)

@@ -80,7 +80,9 @@ def run(shape_name: str, device: str, iters: int, warmup: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     setups = {}
     for m in methods:
-        params = [torch.randn(s, generator=gen).to(device).requires_grad_() for s in shapes(shape_name)]
+        params = [
+            torch.randn(s, generator=gen).to(device).requires_grad_() for s in shapes(shape_name)
+        ]
         grads = [torch.randn(s, generator=gen).to(device) for s in shapes(shape_name)]
         for p, g in zip(params, grads):
             p.grad = g
@@ -114,7 +116,9 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)"
+    )
     p.add_argument("--shapes", nargs="+", default=["many-small", "few-large"])
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
@@ -140,7 +144,9 @@ def main() -> None:
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "optimizer_step.json").write_text(json.dumps({"device": args.device, "rows": rows}, indent=2))
+    (out / "optimizer_step.json").write_text(
+        json.dumps({"device": args.device, "rows": rows}, indent=2)
+    )
     (out / "optimizer_step.md").write_text(table + "\n")
 
 

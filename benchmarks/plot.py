@@ -27,7 +27,9 @@ def rate_bits(tag: str) -> float:
 
 def main() -> None:
     runs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("train_*.json"))]
-    sweep = sorted((r for r in runs if r["tag"].startswith("link_")), key=lambda r: rate_bits(r["tag"]))
+    sweep = sorted(
+        (r for r in runs if r["tag"].startswith("link_")), key=lambda r: rate_bits(r["tag"])
+    )
     if sweep:
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
         methods = list(dict.fromkeys(row["method"] for r in sweep for row in r["rows"]))

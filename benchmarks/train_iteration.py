@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import resource
@@ -243,7 +242,9 @@ def worker(args) -> None:
     growth = slowest(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base_rss)
 
     # 4. the model's prediction from the measured parts
-    workload = runtime.Workload(compute_mean=compute_mean, compute_std=compute_std, update_time=update_s)
+    workload = runtime.Workload(
+        compute_mean=compute_mean, compute_std=compute_std, update_time=update_s
+    )
     if kind == "ddp":
         pred = runtime.predict_allreduce(workload, n, comm_rounds[0], overlap=args.ddp_overlap)
     else:

@@ -108,8 +108,9 @@ def _adam_foreach_(
     """
     if found_inf is not None or grad_scale is not None:
         raise NotImplementedError("GradScaler with a compiled step is not supported")
-    grads = _decay_(params, grads, lr=lr, weight_decay=weight_decay, maximize=maximize,
-                    decoupled=decoupled)
+    grads = _decay_(
+        params, grads, lr=lr, weight_decay=weight_decay, maximize=maximize, decoupled=decoupled
+    )
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
@@ -122,7 +123,9 @@ def _adam_foreach_(
     torch._foreach_div_(denom, bias2_sqrt)
     torch._foreach_add_(denom, eps)
     step_size = [-lr / b for b in bias1]
-    torch._foreach_mul_(denom, [1 / s for s in step_size])  # so that addcdiv adds -lr/bias1 * m/denom
+    torch._foreach_mul_(
+        denom, [1 / s for s in step_size]
+    )  # so that addcdiv adds -lr/bias1 * m/denom
     torch._foreach_addcdiv_(params, exp_avgs, denom)
 
 
@@ -214,8 +217,9 @@ def accum_adam_update_(
     ``exp_avgs``/``exp_avg_sqs`` hold the moment bases, refreshed only every ``accum_iter`` steps
     from the mean gradient ``grad_accs`` collects. Math: see :class:`decent_optim.AccumAdam`.
     """
-    grads = _decay_(params, grads, lr=lr, weight_decay=weight_decay, maximize=maximize,
-                    decoupled=decoupled)
+    grads = _decay_(
+        params, grads, lr=lr, weight_decay=weight_decay, maximize=maximize, decoupled=decoupled
+    )
     k = math.ceil(step / accum_iter)  # moment bases refreshed so far, counting this step's
     bias1 = 1 - beta1**k
     bias2_sqrt = math.sqrt(1 - beta2**k)

@@ -84,7 +84,9 @@ def check_decentralized(topology: object, bucket_cap_mb: object, local_world_siz
         or not isinstance(local_world_size, int)
         or local_world_size < 1
     ):
-        raise ValueError(f"local_world_size must be a positive int or None, got {local_world_size!r}")
+        raise ValueError(
+            f"local_world_size must be a positive int or None, got {local_world_size!r}"
+        )
 
 
 def resolve_local_world_size(local_world_size: int | None) -> int:
@@ -95,7 +97,9 @@ def resolve_local_world_size(local_world_size: int | None) -> int:
     try:
         value = int(env)
     except ValueError:
-        raise ValueError(f"environment variable LOCAL_WORLD_SIZE must be an int, got {env!r}") from None
+        raise ValueError(
+            f"environment variable LOCAL_WORLD_SIZE must be an int, got {env!r}"
+        ) from None
     if value < 1:
         raise ValueError(f"environment variable LOCAL_WORLD_SIZE must be >= 1, got {value}")
     return value

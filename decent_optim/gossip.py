@@ -25,12 +25,10 @@ all-reduce took 0.55-0.62x the time of three point-to-point exchanges per rank (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import datetime
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -89,7 +87,7 @@ class GossipHandle:
         """Block until every send and receive of the round completed (at most ``timeout``)."""
         works, self._works = self._works, []
         deadline = None if self.timeout is None else time.monotonic() + self.timeout.total_seconds()
-        for k, (work, peer) in enumerate(works):
+        for k, (work, _) in enumerate(works):
             try:
                 if deadline is None:
                     work.wait()
@@ -99,7 +97,9 @@ class GossipHandle:
             except RuntimeError as err:
                 waiting = sorted({p for _, p in works[k:] if p is not None})
                 who = f"peer(s) {waiting}" if waiting else "its gossip group"
-                limit = "" if self.timeout is None else f" (timeout {self.timeout.total_seconds():g} s)"
+                limit = (
+                    "" if self.timeout is None else f" (timeout {self.timeout.total_seconds():g} s)"
+                )
                 raise GossipError(
                     f"[rank {self.rank}] gossip round {self.round}: waiting on {who} failed{limit}. "
                     "A peer may have died, hung, or called step() fewer times than this rank; "
@@ -143,7 +143,9 @@ class LocalGossiper:
     def __init__(self, topology: Topology | None = None) -> None:
         self.topology = topology
 
-    def start(self, buffers: Sequence[Tensor], step: int, *, global_average: bool = False) -> GossipHandle:
+    def start(
+        self, buffers: Sequence[Tensor], step: int, *, global_average: bool = False
+    ) -> GossipHandle:
         return _DONE
 
     def average_(self, tensors: Sequence[Tensor]) -> None:
@@ -400,7 +402,11 @@ def check_same_parameters(params: list[Tensor], group: Any, device: torch.device
         raise ValueError(
             "the parameters differ across ranks (shapes or dtypes); every rank must build the same "
             f"model before the optimizer. {detail}"
-            + ("" if len({r[:2] for r in rows}) > 1 else " (same sizes, different shapes or dtypes)")
+            + (
+                ""
+                if len({r[:2] for r in rows}) > 1
+                else " (same sizes, different shapes or dtypes)"
+            )
         )
 
 

@@ -192,7 +192,9 @@ def predict(measured: dict, overlap: float) -> list[tuple[runtime.Prediction, fl
         backward_fraction=min(1.0, max(0.0, measured["backward_fraction"])),
     )
     gossip = {k: (v["round_s"], v["degrees"]) for k, v in measured["gossip"].items()}
-    return runtime.recommend(workload, measured["world_size"], measured["allreduce_s"], gossip, overlap)
+    return runtime.recommend(
+        workload, measured["world_size"], measured["allreduce_s"], gossip, overlap
+    )
 
 
 def format_table(measured: dict, rows: list[tuple[runtime.Prediction, float]]) -> str:
@@ -217,10 +219,16 @@ def format_table(measured: dict, rows: list[tuple[runtime.Prediction, float]]) -
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m decent_optim.plan", description=__doc__.splitlines()[0])
-    p.add_argument("--params", type=float, default=10e6, help="model size in parameters (default 10M)")
+    p = argparse.ArgumentParser(
+        prog="python -m decent_optim.plan", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--params", type=float, default=10e6, help="model size in parameters (default 10M)"
+    )
     p.add_argument("--layers", type=int, default=4, help="square layers of the synthetic workload")
-    p.add_argument("--batch", type=int, default=64, help="rows per forward of the synthetic workload")
+    p.add_argument(
+        "--batch", type=int, default=64, help="rows per forward of the synthetic workload"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--iters", type=int, default=10, help="timed compute iterations per rank")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions of each communication")
@@ -238,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.overlap <= 1:
         raise SystemExit(f"--overlap must be in [0, 1], got {args.overlap}")
     if "RANK" not in os.environ:
-        raise SystemExit("run me under torchrun, e.g. torchrun --nproc-per-node 2 -m decent_optim.plan")
+        raise SystemExit(
+            "run me under torchrun, e.g. torchrun --nproc-per-node 2 -m decent_optim.plan"
+        )
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -176,13 +176,17 @@ def parse_rate(rate: str | float) -> float:
         value = float(rate)
     else:
         text = rate.strip().lower()
-        unit = next((u for u in sorted(_RATE_UNITS, key=len, reverse=True) if text.endswith(u)), None)
+        unit = next(
+            (u for u in sorted(_RATE_UNITS, key=len, reverse=True) if text.endswith(u)), None
+        )
         if unit is None:
             raise ValueError(f"rate must look like '100mbit', '1gbit' or '2gbps', got {rate!r}")
         try:
             value = float(text[: -len(unit)]) * _RATE_UNITS[unit]
         except ValueError:
-            raise ValueError(f"rate must look like '100mbit', '1gbit' or '2gbps', got {rate!r}") from None
+            raise ValueError(
+                f"rate must look like '100mbit', '1gbit' or '2gbps', got {rate!r}"
+            ) from None
     if not value > 0:
         raise ValueError(f"rate must be > 0, got {rate!r}")
     return value
@@ -192,7 +196,9 @@ def _check_link(nbytes: float, intra_bw: float, inter_bw: float, latency: float)
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
     if not (intra_bw > 0 and inter_bw > 0):
-        raise ValueError(f"bandwidths must be > 0, got intra_bw={intra_bw!r}, inter_bw={inter_bw!r}")
+        raise ValueError(
+            f"bandwidths must be > 0, got intra_bw={intra_bw!r}, inter_bw={inter_bw!r}"
+        )
     if latency < 0:
         raise ValueError(f"latency must be >= 0, got {latency!r}")
 

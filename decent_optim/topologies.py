@@ -365,7 +365,9 @@ class CustomTopology(Topology):
 
     def __init__(
         self,
-        schedule: Sequence[torch.Tensor | Sequence[Sequence[float]] | Sequence[Mapping[int, float]]],
+        schedule: Sequence[
+            torch.Tensor | Sequence[Sequence[float]] | Sequence[Mapping[int, float]]
+        ],
         local_world_size: int = 1,
     ) -> None:
         if isinstance(schedule, torch.Tensor) or not isinstance(schedule, Sequence) or not schedule:
@@ -404,15 +406,21 @@ def _to_matrix(r: int, rnd: object) -> torch.Tensor:
         for i, row in enumerate(rnd):
             for j, w in row.items():
                 if not (isinstance(j, int) and 0 <= j < n):
-                    raise ValueError(f"round {r}: row {i} names source {j!r}, expected a rank in [0, {n})")
+                    raise ValueError(
+                        f"round {r}: row {i} names source {j!r}, expected a rank in [0, {n})"
+                    )
                 m[i, j] = float(w)
     else:
         try:
             m = torch.tensor(rnd, dtype=torch.float64)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"round {r}: cannot read a matrix from {type(rnd).__name__}: {err}") from None
+            raise ValueError(
+                f"round {r}: cannot read a matrix from {type(rnd).__name__}: {err}"
+            ) from None
     if m.dim() != 2 or m.shape[0] != m.shape[1] or m.shape[0] == 0:
-        raise ValueError(f"round {r}: mixing matrix must be square (n, n), got shape {tuple(m.shape)}")
+        raise ValueError(
+            f"round {r}: mixing matrix must be square (n, n), got shape {tuple(m.shape)}"
+        )
     return m
 
 
@@ -469,4 +477,3 @@ def get(name: str | Topology, world_size: int, local_world_size: int = 1) -> Top
         valid = ", ".join(repr(k) for k in _NAMED)
         raise ValueError(f"unknown topology {name!r}; valid names are {valid}, or pass a Topology")
     return cls(world_size, local_world_size)
-

@@ -1,23 +1,31 @@
-"""Train a small character-level GPT with decentralized AdamW.
+"""Train a small character-level GPT with decentralized AdamW; optionally compare with All-Reduce.
 
     python examples/train_charlm.py                                         # one process
     torchrun --standalone --nproc-per-node 4 examples/train_charlm.py      # four workers, gloo
+    torchrun --standalone --nproc-per-node 4 examples/train_charlm.py --compare --plot loss.png
 
 Every worker keeps its own model copy, samples its own batches and, at each step, averages its
 parameters with its neighbours on the chosen topology. The only change from a plain PyTorch loop
-is the optimizer line. The training text comes from a small grammar built into this script, so
-the example needs no download.
+is the optimizer line. Every ``--eval-every`` steps the consensus model (the average of the
+workers' models) is evaluated on a held-out part of the text. ``--baseline allreduce`` trains the
+same model on the same data with DistributedDataParallel + torch.optim.AdamW instead;
+``--compare`` runs both, one after the other, and ``--plot PATH`` draws their loss curves. The
+training text comes from a small grammar built into this script, so the example needs no download.
 """
 
 import argparse
 import os
 import random
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from tqdm import tqdm
 
 import decent_optim as dopt
 
@@ -85,13 +93,135 @@ def get_batch(data: torch.Tensor, batch_size: int, gen: torch.Generator):
     return chunk[:, :-1], chunk[:, 1:]
 
 
-def mean_over_ranks(value: float, world_size: int) -> float:
-    """For reporting only: training itself never needs a global average."""
-    if world_size == 1:
-        return value
-    t = torch.tensor([value])
-    dist.all_reduce(t)  # gloo has no AVG: sum, then divide
-    return t.item() / world_size
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """For reporting only: training itself never needs a global sum."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+@dataclass
+class History:
+    """What one run measured; rank 0 prints and plots it."""
+
+    name: str
+    train_steps: list[int] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)  # mean over ranks and log window
+    eval_steps: list[int] = field(default_factory=list)
+    eval_loss: list[float] = field(default_factory=list)  # of the consensus model
+    ms_per_iter: float = float("nan")
+
+
+@torch.no_grad()
+def evaluate_consensus(
+    model: nn.Module, eval_model: nn.Module, batches: list, world_size: int
+) -> float:
+    """Held-out loss of the consensus model: the mean of the workers' parameters.
+
+    Until ``opt.averaged()`` lands (see the "coming" section of the docs), this averages a
+    *copy* of the parameters over the ranks into a separate ``eval_model`` and leaves the
+    training parameters alone. Reading them while a gossip round is in flight is allowed, and
+    gossip preserves the mean, so no ``synchronize()`` is needed. Each rank evaluates its share
+    of the fixed held-out batches.
+    """
+    flat = parameters_to_vector(model.parameters())
+    if world_size > 1:
+        dist.all_reduce(flat)  # gloo has no AVG: sum, then divide
+        flat /= world_size
+    vector_to_parameters(flat, eval_model.parameters())
+    eval_model.eval()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    total, count = 0.0, 0
+    for x, y in batches[rank::world_size]:
+        total += F.cross_entropy(eval_model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
+        count += y.numel()
+    total, count = sum_over_ranks([total, float(count)])
+    return total / count
+
+
+def train(args, method: str, data: torch.Tensor, val_batches: list, vocab: int) -> History:
+    """One training run; ``method`` is "decentralized" or "allreduce"."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    torch.manual_seed(args.seed)  # same initial model everywhere (rank 0's is broadcast anyway)
+    model = CharGPT(vocab)
+    eval_model = CharGPT(vocab)
+    if method == "decentralized":
+        name = f"decent_optim AdamW, {args.topology}"
+        forward = model
+        opt: torch.optim.Optimizer = dopt.DecentralizedAdamW(  # was: torch.optim.AdamW(...)
+            model.parameters(),
+            lr=args.lr,
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+            topology=args.topology,
+        )
+    else:
+        name = "All-Reduce (DDP + AdamW)"
+        forward = DistributedDataParallel(model) if world_size > 1 else model
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # own batches per rank
+    hist = History(name)
+    if rank == 0:
+        print(
+            f"== {name}: world size {world_size}, global batch {args.batch_size * world_size}, "
+            f"{sum(p.numel() for p in model.parameters()):,} parameters per worker"
+        )
+
+    window: list[float] = []  # this rank's losses since the last report
+    bar = tqdm(total=args.steps, disable=rank != 0, desc=method, mininterval=0.5, leave=False)
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        x, y = get_batch(data, args.batch_size, gen)
+        loss = F.cross_entropy(forward(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        window.append(loss.item())
+        bar.update()
+        if step == 1 or step % args.log_every == 0 or step == args.steps:
+            (mean,) = sum_over_ranks([sum(window) / len(window)])
+            hist.train_steps.append(step)
+            hist.train_loss.append(mean / world_size)
+            window = []
+            bar.set_postfix(loss=f"{hist.train_loss[-1]:.3f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            hist.eval_steps.append(step)
+            hist.eval_loss.append(evaluate_consensus(model, eval_model, val_batches, world_size))
+            ms = 1000 * (time.perf_counter() - start) / step
+            if rank == 0:  # tqdm.write prints on every rank, disabled bar or not
+                bar.write(
+                    f"step {step:4d} | train loss {hist.train_loss[-1]:.3f} (mean over ranks) "
+                    f"| val loss {hist.eval_loss[-1]:.3f} (consensus model) | {ms:.0f} ms/it"
+                )
+    if isinstance(opt, dopt.DecentralizedOptimizer):
+        opt.synchronize()  # mix in the gossip round still in flight
+    hist.ms_per_iter = 1000 * (time.perf_counter() - start) / args.steps
+    bar.close()
+    return hist
+
+
+def plot(histories: list[History], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, h in enumerate(histories):
+        color = f"C{i}"
+        ax.plot(h.train_steps, h.train_loss, color=color, alpha=0.6, label=f"{h.name}: train")
+        ax.plot(h.eval_steps, h.eval_loss, "o--", color=color, label=f"{h.name}: held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per character)")
+    ax.set_title("Character GPT: loss vs step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -101,54 +231,45 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="per worker")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--log-every", type=int, default=10, help="steps between loss reports")
+    parser.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
+    parser.add_argument(
+        "--baseline", choices=["allreduce"], help="train with DDP + torch.optim.AdamW instead"
+    )
+    parser.add_argument("--compare", action="store_true", help="run decentralized, then baseline")
+    parser.add_argument("--plot", metavar="PATH", help="write a loss-vs-step PNG (rank 0)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # several workers may share a small CPU
     if "WORLD_SIZE" in os.environ:  # started by torchrun
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
 
     text = make_corpus()
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    split = int(0.9 * len(data))  # the last 10% is held out for evaluation
+    train_data, val_data = data[:split], data[split:]
+    val_gen = torch.Generator().manual_seed(12345)  # the same held-out batches on every rank
+    val_batches = [get_batch(val_data, 32, val_gen) for _ in range(8)]
+    if rank == 0:
+        print(f"{len(train_data):,} training and {len(val_data):,} held-out characters")
 
-    torch.manual_seed(args.seed)  # same initial model everywhere (rank 0's is broadcast anyway)
-    model = CharGPT(len(chars))
-    opt = dopt.DecentralizedAdamW(  # was: torch.optim.AdamW(model.parameters(), ...)
-        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-        topology=args.topology,
-    )
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # own batches per rank
+    methods = ["allreduce" if args.baseline else "decentralized"]
+    if args.compare:
+        methods = ["decentralized", "allreduce"]
+    histories = [train(args, m, train_data, val_batches, len(chars)) for m in methods]
 
     if rank == 0:
-        print(f"world size {world_size}, topology {args.topology}, {len(data):,} characters, "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters per worker")
-    first = last = float("nan")
-    window = []  # this rank's losses since the last report
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        x, y = get_batch(data, args.batch_size, gen)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        window.append(loss.item())
-        if step == 1:
-            first = mean_over_ranks(window[0], world_size)
-        if step % args.log_every == 0 or step == args.steps:
-            last = mean_over_ranks(sum(window) / len(window), world_size)
-            window = []
-            if rank == 0:
-                ms = 1000 * (time.perf_counter() - start) / step
-                print(f"step {step:4d} | loss {last:.3f} (mean over ranks) | {ms:.0f} ms/it")
-    opt.synchronize()  # mix in the gossip round still in flight
-    per_iter = (time.perf_counter() - start) / args.steps
-
-    if rank == 0:
-        print(f"done: loss {first:.3f} (step 1) -> {last:.3f} (last report), "
-              f"{1000 * per_iter:.0f} ms/iteration over {args.steps} steps, {world_size} worker(s)")
+        for h in histories:
+            print(
+                f"done: {h.name}: train loss {h.train_loss[0]:.3f} (step 1) -> "
+                f"{h.train_loss[-1]:.3f}, held-out loss {h.eval_loss[-1]:.3f}, "
+                f"{h.ms_per_iter:.0f} ms/iteration over {args.steps} steps"
+            )
+        if args.plot:
+            plot(histories, args.plot)
+            print(f"wrote {args.plot}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

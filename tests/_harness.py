@@ -54,11 +54,19 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["WorldError", "WorldTimeoutError", "pool_pids", "run_world", "run_world_fresh", "shutdown_pools"]
+__all__ = [
+    "WorldError",
+    "WorldTimeoutError",
+    "pool_pids",
+    "run_world",
+    "run_world_fresh",
+    "shutdown_pools",
+]
 
 #: Timeout given to ``init_process_group``: a collective or recv whose peer never comes raises after it.
 PROCESS_GROUP_TIMEOUT_S = 30.0
@@ -83,7 +91,9 @@ class WorldError(RuntimeError):
         stacks: ``{rank: Python stacks of all its threads}`` for the missing ranks, taken just before the kill.
     """
 
-    def __init__(self, message: str, failures: dict[int, str], missing: list[int], stacks: dict[int, str]):
+    def __init__(
+        self, message: str, failures: dict[int, str], missing: list[int], stacks: dict[int, str]
+    ):
         super().__init__(message)
         self.failures = failures
         self.missing = missing
@@ -97,6 +107,7 @@ class WorldTimeoutError(WorldError):
 # --------------------------------------------------------------------------------------------------
 # Worker side. Everything below runs in the spawned processes; torch is imported only here.
 # --------------------------------------------------------------------------------------------------
+
 
 def _stack_file(workdir: str, rank: int) -> str:
     """Where rank ``rank`` of the pool in ``workdir`` writes its Python stacks on SIGUSR1."""
@@ -112,7 +123,9 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(3)
 
 
-def _reply(conn: Connection, kind: str, payload: Any, output: str = "", healthy: bool = True) -> None:
+def _reply(
+    conn: Connection, kind: str, payload: Any, output: str = "", healthy: bool = True
+) -> None:
     conn.send_bytes(pickle.dumps((kind, payload, output, healthy)))
 
 
@@ -140,7 +153,9 @@ class _ProcessState:
         torch.set_grad_enabled(True)
         if torch.is_anomaly_enabled():
             torch.autograd.set_detect_anomaly(False)
-        if torch.are_deterministic_algorithms_enabled():  # only when set: the call itself costs seconds
+        if (
+            torch.are_deterministic_algorithms_enabled()
+        ):  # only when set: the call itself costs seconds
             torch.use_deterministic_algorithms(False)
         torch.set_num_threads(1)
         torch.manual_seed(0)
@@ -173,9 +188,10 @@ def _run_task(rank: int, world_size: int, message: bytes, state: _ProcessState) 
         try:
             payload = pickle.dumps(result)
         except Exception as exc:
-            raise TypeError(f"the result of {getattr(fn, '__qualname__', fn)!r} on rank {rank} cannot be "
-                            f"pickled ({exc}); return tensors (detached), numbers, or dicts/lists of them"
-                            ) from exc
+            raise TypeError(
+                f"the result of {getattr(fn, '__qualname__', fn)!r} on rank {rank} cannot be "
+                f"pickled ({exc}); return tensors (detached), numbers, or dicts/lists of them"
+            ) from exc
         kind = "ok"
     except BaseException:  # SystemExit and KeyboardInterrupt in a task are reported too
         kind, payload = "error", traceback.format_exc()
@@ -192,24 +208,39 @@ def _run_task(rank: int, world_size: int, message: bytes, state: _ProcessState) 
     return kind, payload, output.getvalue()[-OUTPUT_TAIL_CHARS:], healthy
 
 
-def _worker_main(rank: int, world_size: int, workdir: str, conn: Connection, parent_pid: int) -> None:
+def _worker_main(
+    rank: int, world_size: int, workdir: str, conn: Connection, parent_pid: int
+) -> None:
     """Entry point of one pool process: join the world group, then run tasks until told to stop."""
     # On a timeout the parent sends SIGUSR1 and puts the file in the error: where each thread was stuck.
     # faulthandler writes from the signal handler itself, so this works while blocked inside gloo.
-    faulthandler.register(signal.SIGUSR1, file=open(_stack_file(workdir, rank), "w"), all_threads=True)
+    faulthandler.register(
+        signal.SIGUSR1, file=open(_stack_file(workdir, rank), "w"), all_threads=True
+    )
     # Ctrl-C reaches the whole process group; only the parent should react, and it kills us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        OMP_NUM_THREADS="1",
+    )
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
         init_file = os.path.join(workdir, "rendezvous")
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
+        )
         state = _ProcessState()
     except BaseException:
         _reply(conn, "error", traceback.format_exc(), healthy=False)
@@ -235,6 +266,7 @@ def _worker_main(rank: int, world_size: int, workdir: str, conn: Connection, par
 # Parent side.
 # --------------------------------------------------------------------------------------------------
 
+
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
@@ -252,9 +284,12 @@ class _Pool:
             for rank in range(world_size):
                 here, there = ctx.Pipe(duplex=True)
                 # daemon: multiprocessing kills them at interpreter exit even if nobody calls close().
-                proc = ctx.Process(target=_worker_main, name=f"decent_optim-world{world_size}-rank{rank}",
-                                   args=(rank, world_size, self._tmpdir, there, os.getpid()),
-                                   daemon=True)
+                proc = ctx.Process(
+                    target=_worker_main,
+                    name=f"decent_optim-world{world_size}-rank{rank}",
+                    args=(rank, world_size, self._tmpdir, there, os.getpid()),
+                    daemon=True,
+                )
                 proc.start()
                 there.close()  # so that a dead worker shows up as EOF on our end
                 self._procs.append(proc)
@@ -274,7 +309,7 @@ class _Pool:
         """
         message = pickle.dumps((list(sys.path), task))
         deadline = time.monotonic() + timeout
-        for rank, conn in enumerate(self._conns):
+        for conn in self._conns:
             try:
                 conn.send_bytes(message)
             except OSError:  # the worker is gone; _collect reports how it died
@@ -286,8 +321,10 @@ class _Pool:
             output = replies[rank][2]
             if output:  # shows up in pytest's captured stdout of the current test
                 sys.stdout.write("".join(f"[rank {rank}] {line}\n" for line in output.splitlines()))
-        return ([pickle.loads(replies[rank][1]) for rank in range(self.world_size)],
-                all(replies[rank][3] for rank in range(self.world_size)))
+        return (
+            [pickle.loads(replies[rank][1]) for rank in range(self.world_size)],
+            all(replies[rank][3] for rank in range(self.world_size)),
+        )
 
     def _collect(self, deadline: float) -> tuple[dict[int, tuple], list[int]]:
         """Wait for one reply per rank until ``deadline``; returns ``(replies, ranks that never answered)``.
@@ -331,7 +368,9 @@ class _Pool:
                 return None
         return ("died", proc.exitcode, "", False)
 
-    def _raise_on_failure(self, label: str, replies: dict[int, tuple], missing: list[int], timeout: float):
+    def _raise_on_failure(
+        self, label: str, replies: dict[int, tuple], missing: list[int], timeout: float
+    ):
         failures, raised, died = {}, [], []
         for rank, (kind, payload, output, _) in sorted(replies.items()):
             if kind == "error":
@@ -348,18 +387,26 @@ class _Pool:
         if not failures and not missing:
             return
         if failures:
-            parts = ([f"{_ranks(died)} died"] if died else []) + ([f"{_ranks(raised)} raised"] if raised else [])
+            parts = ([f"{_ranks(died)} died"] if died else []) + (
+                [f"{_ranks(raised)} raised"] if raised else []
+            )
             if missing:
-                parts.append(f"no answer from {_ranks(missing)} within {ERROR_GRACE_S:g} s of the first failure "
-                             f"(probably blocked on a failed rank): killed")
+                parts.append(
+                    f"no answer from {_ranks(missing)} within {ERROR_GRACE_S:g} s of the first failure "
+                    f"(probably blocked on a failed rank): killed"
+                )
             summary = "; ".join(parts)
         else:
-            summary = (f"no answer within {timeout:g} s from {_ranks(missing)} (a hang, e.g. a recv without its "
-                       f"send); all ranks were killed")
+            summary = (
+                f"no answer within {timeout:g} s from {_ranks(missing)} (a hang, e.g. a recv without its "
+                f"send); all ranks were killed"
+            )
         body = "".join(f"\n\n----- rank {rank} -----\n{text}" for rank, text in failures.items())
         stacks = self._dump_stacks(missing)
-        body += "".join(f"\n\n----- rank {rank}: no answer; its threads when it was killed -----\n{text.rstrip()}"
-                        for rank, text in stacks.items())
+        body += "".join(
+            f"\n\n----- rank {rank}: no answer; its threads when it was killed -----\n{text.rstrip()}"
+            for rank, text in stacks.items()
+        )
         error = WorldTimeoutError if not failures else WorldError
         raise error(f"{label}: {summary}{body}", failures, missing, stacks)
 
@@ -413,8 +460,10 @@ def _pickle_task(fn: Callable, args: tuple) -> bytes:
     try:
         return pickle.dumps((fn, args))
     except Exception as exc:
-        raise TypeError(f"run_world needs a module-level fn and picklable args (the workers import fn by name), "
-                        f"got fn={fn!r}: {exc}") from exc
+        raise TypeError(
+            f"run_world needs a module-level fn and picklable args (the workers import fn by name), "
+            f"got fn={fn!r}: {exc}"
+        ) from exc
 
 
 def _check(fn: Callable, world_size: int, timeout: float) -> None:

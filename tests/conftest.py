@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 
 _TESTS_DIR = Path(__file__).resolve().parent
-for _path in (_TESTS_DIR.parent, _TESTS_DIR):  # inserted at the front: the checkout wins over site-packages
+for _path in (
+    _TESTS_DIR.parent,
+    _TESTS_DIR,
+):  # inserted at the front: the checkout wins over site-packages
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
@@ -25,7 +28,9 @@ MULTIPROCESS_TEST_TIMEOUT_S = 300
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "multiprocess: runs ranks in worker processes through tests/_harness.py (gloo, CPU)")
+        "markers",
+        "multiprocess: runs ranks in worker processes through tests/_harness.py (gloo, CPU)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

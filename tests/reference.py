@@ -37,8 +37,18 @@ class RefState:
         return self.tensors[name]
 
 
-def sgd(x: Tensor, g: Tensor, st: RefState, *, lr, momentum=0.0, dampening=0.0,
-        weight_decay=0.0, nesterov=False, maximize=False) -> Tensor:
+def sgd(
+    x: Tensor,
+    g: Tensor,
+    st: RefState,
+    *,
+    lr,
+    momentum=0.0,
+    dampening=0.0,
+    weight_decay=0.0,
+    nesterov=False,
+    maximize=False,
+) -> Tensor:
     g = -g if maximize else g
     g = g + weight_decay * x
     if momentum:
@@ -51,8 +61,19 @@ def sgd(x: Tensor, g: Tensor, st: RefState, *, lr, momentum=0.0, dampening=0.0,
     return x - lr * g
 
 
-def adam(x: Tensor, g: Tensor, st: RefState, *, lr, betas=(0.9, 0.999), eps=1e-8,
-         weight_decay=0.0, decoupled=False, amsgrad=False, maximize=False) -> Tensor:
+def adam(
+    x: Tensor,
+    g: Tensor,
+    st: RefState,
+    *,
+    lr,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.0,
+    decoupled=False,
+    amsgrad=False,
+    maximize=False,
+) -> Tensor:
     b1, b2 = betas
     g = -g if maximize else g
     if decoupled:
@@ -68,8 +89,18 @@ def adam(x: Tensor, g: Tensor, st: RefState, *, lr, betas=(0.9, 0.999), eps=1e-8
     return x - lr * m_hat / (torch.sqrt(v) / math.sqrt(1 - b2**t) + eps)
 
 
-def accum_adam(x: Tensor, g: Tensor, st: RefState, *, lr, accum_iter, betas=(0.9, 0.999),
-               eps=1e-8, weight_decay=0.0, decoupled=False) -> Tensor:
+def accum_adam(
+    x: Tensor,
+    g: Tensor,
+    st: RefState,
+    *,
+    lr,
+    accum_iter,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.0,
+    decoupled=False,
+) -> Tensor:
     b1, b2 = betas
     if decoupled:
         x = x * (1 - lr * weight_decay)

@@ -114,7 +114,9 @@ def _idle_buffers(rank, world_size):
 
 @pytest.mark.multiprocess
 def test_receive_buffers_are_lent_only_while_idle():
-    for before, during, after, wrong_shape, mixed in __import__("_harness").run_world(_idle_buffers, 2):
+    for before, during, after, wrong_shape, mixed in __import__("_harness").run_world(
+        _idle_buffers, 2
+    ):
         assert (before, during, after, wrong_shape) == (True, True, True, True)
         assert mixed == [0.5] * 6
 

@@ -23,8 +23,13 @@ def _distinct_values(rank: int, numel: int) -> torch.Tensor:
 
 def _gossip_only(rank, world_size, topology, local, rounds):
     """lr = 0: steps only mix. Returns the parameters after every step and after synchronize."""
-    params = [nn.Parameter(torch.zeros(5, dtype=torch.float64)), nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))]
-    opt = dopt.DSGD(params, lr=0.0, topology=topology, local_world_size=local, bucket_cap_mb=40 / 2**20)
+    params = [
+        nn.Parameter(torch.zeros(5, dtype=torch.float64)),
+        nn.Parameter(torch.zeros(2, 3, dtype=torch.float64)),
+    ]
+    opt = dopt.DSGD(
+        params, lr=0.0, topology=topology, local_world_size=local, bucket_cap_mb=40 / 2**20
+    )
     with torch.no_grad():  # give every rank its own values after the start-up broadcast
         values = _distinct_values(rank, 11)
         params[0].copy_(values[:5])
@@ -40,14 +45,22 @@ def _gossip_only(rank, world_size, topology, local, rounds):
     return torch.stack(history)
 
 
-GOSSIP_TOPOLOGIES = [("ring", 3, 1), ("ring", 4, 1), ("one-peer-exp", 8, 1), ("complete", 4, 1),
-                     ("alternating-exp-ring", 4, 2), ("alternating-exp-ring", 8, 2)]
+GOSSIP_TOPOLOGIES = [
+    ("ring", 3, 1),
+    ("ring", 4, 1),
+    ("one-peer-exp", 8, 1),
+    ("complete", 4, 1),
+    ("alternating-exp-ring", 4, 2),
+    ("alternating-exp-ring", 8, 2),
+]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("topology, n, local", GOSSIP_TOPOLOGIES, ids=str)
 def test_gossip_alone_preserves_mean_and_shrinks_consensus_distance(topology, n, local):
-    hist = torch.stack(run_world(_gossip_only, n, topology, local, ROUNDS), dim=1)  # (time, rank, d)
+    hist = torch.stack(
+        run_world(_gossip_only, n, topology, local, ROUNDS), dim=1
+    )  # (time, rank, d)
     x0 = torch.stack([_distinct_values(r, 11) for r in range(n)])
     mean0 = x0.mean(dim=0)
     topo = get_topology(topology, n, local)
@@ -84,7 +97,12 @@ def _custom_round_trip(rank, world_size, schedule, transport, rounds):
 # a non-uniform, doubly stochastic schedule: lazy Metropolis weights on a path 0-1-2-3,
 # then a round with a 3-cycle of weight 1/3 and a self-loop
 METROPOLIS = [
-    [[2 / 3, 1 / 3, 0, 0], [1 / 3, 1 / 3, 1 / 3, 0], [0, 1 / 3, 1 / 3, 1 / 3], [0, 0, 1 / 3, 2 / 3]],
+    [
+        [2 / 3, 1 / 3, 0, 0],
+        [1 / 3, 1 / 3, 1 / 3, 0],
+        [0, 1 / 3, 1 / 3, 1 / 3],
+        [0, 0, 1 / 3, 2 / 3],
+    ],
     [[0.5, 0.25, 0.25, 0], [0.25, 0.5, 0.25, 0], [0.25, 0.25, 0.5, 0], [0, 0, 0, 1]],
 ]
 
@@ -104,8 +122,12 @@ def test_gossiper_mixes_with_arbitrary_weights(schedule, transport):
         x = x.to(dtype).double()
         for t in range(5):
             x = topo.mixing_matrix(t) @ x
-        torch.testing.assert_close(torch.stack([g[b] for g in got]).double(), x,
-                                   rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=1e-6)
+        torch.testing.assert_close(
+            torch.stack([g[b] for g in got]).double(),
+            x,
+            rtol=1e-6 if dtype == torch.float32 else 1e-12,
+            atol=1e-6,
+        )
 
 
 def _build(rank, world_size, topology, shape_by_rank):
@@ -121,7 +143,9 @@ def _build(rank, world_size, topology, shape_by_rank):
 @pytest.mark.multiprocess
 def test_topology_that_does_not_fit_the_world_size():
     got = run_world(_build, 3, "one-peer-exp", None)
-    assert all(g.startswith("ValueError: one-peer-exp needs a power-of-two world size") for g in got), got
+    assert all(
+        g.startswith("ValueError: one-peer-exp needs a power-of-two world size") for g in got
+    ), got
     assert all("got 3" in g for g in got)
 
 

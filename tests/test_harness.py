@@ -6,7 +6,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from _harness import WorldError, WorldTimeoutError, pool_pids, run_world, run_world_fresh
 
 pytestmark = pytest.mark.multiprocess
@@ -16,10 +15,13 @@ WORLD_SIZES = [1, 2, 3, 4]
 
 # Rank functions live at module level: the workers import them by name.
 
+
 def _rank_report(rank, world_size):
     return {
-        "rank": rank, "world_size": world_size,
-        "dist_rank": dist.get_rank(), "dist_world_size": dist.get_world_size(),
+        "rank": rank,
+        "world_size": world_size,
+        "dist_rank": dist.get_rank(),
+        "dist_world_size": dist.get_world_size(),
         "backend": dist.get_backend(),
         "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")},
         "threads": torch.get_num_threads(),
@@ -75,8 +77,13 @@ def _disturb_process_state(rank, world_size):
 
 
 def _report_process_state(rank, world_size):
-    return {"rand": torch.rand(3), "dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
-            "leak": os.environ.get("DECENT_OPTIM_LEAK"), "cwd": os.getcwd()}
+    return {
+        "rand": torch.rand(3),
+        "dtype": torch.get_default_dtype(),
+        "threads": torch.get_num_threads(),
+        "leak": os.environ.get("DECENT_OPTIM_LEAK"),
+        "cwd": os.getcwd(),
+    }
 
 
 def _print_hello(rank, world_size):
@@ -96,8 +103,12 @@ def test_each_rank_sees_its_rank_and_world_size(world_size):
         assert report["world_size"] == report["dist_world_size"] == world_size
         assert report["dist_rank"] == rank
         assert report["backend"] == "gloo"
-        assert report["env"] == {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                                 "LOCAL_WORLD_SIZE": str(world_size)}
+        assert report["env"] == {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
         assert report["threads"] == 1
 
 
@@ -180,7 +191,9 @@ def test_hang_times_out_and_next_task_works():
         run_world(_recv_that_never_comes, 2, timeout=10)
     assert time.monotonic() - start < 40
     assert info.value.missing == [0] and info.value.failures == {}
-    assert "_recv_that_never_comes" in info.value.stacks[0]  # where rank 0 was stuck, via faulthandler
+    assert (
+        "_recv_that_never_comes" in info.value.stacks[0]
+    )  # where rank 0 was stuck, via faulthandler
     results = run_world(_all_reduce_rank_vectors, 2, 3)
     torch.testing.assert_close(results[0], torch.arange(3, dtype=torch.float64) * 3)
 

@@ -22,28 +22,62 @@ STEPS = 30
 # (optimizer, kwargs, reference kind, reference hyper-parameters of group 0, of group 1)
 # group 1 (the second layer) overrides lr and weight_decay, to exercise per-group values.
 OPTIMIZERS = {
-    "DSGD": (dopt.DSGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3), "sgd",
-             dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
-    "DSGD-nesterov": (dopt.DSGD, dict(lr=0.05, momentum=0.5, nesterov=True), "sgd",
-                      dict(lr=0.05, momentum=0.5, nesterov=True)),
-    "DecentralizedAdam": (dopt.DecentralizedAdam, dict(lr=0.01, weight_decay=1e-2), "adam",
-                          dict(lr=0.01, weight_decay=1e-2)),
-    "DecentralizedAdamW": (dopt.DecentralizedAdamW, dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.1),
-                           "adam", dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.1, decoupled=True)),
-    "AccumAdam": (dopt.AccumAdam, dict(lr=0.01, weight_decay=1e-2, accum_iter=3), "accum_adam",
-                  dict(lr=0.01, weight_decay=1e-2, accum_iter=3)),
-    "AccumAdamW": (dopt.AccumAdamW, dict(lr=0.01, weight_decay=0.1), "accum_adam",
-                   dict(lr=0.01, weight_decay=0.1, accum_iter=4, decoupled=True)),
+    "DSGD": (
+        dopt.DSGD,
+        dict(lr=0.05, momentum=0.9, weight_decay=1e-3),
+        "sgd",
+        dict(lr=0.05, momentum=0.9, weight_decay=1e-3),
+    ),
+    "DSGD-nesterov": (
+        dopt.DSGD,
+        dict(lr=0.05, momentum=0.5, nesterov=True),
+        "sgd",
+        dict(lr=0.05, momentum=0.5, nesterov=True),
+    ),
+    "DecentralizedAdam": (
+        dopt.DecentralizedAdam,
+        dict(lr=0.01, weight_decay=1e-2),
+        "adam",
+        dict(lr=0.01, weight_decay=1e-2),
+    ),
+    "DecentralizedAdamW": (
+        dopt.DecentralizedAdamW,
+        dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.1),
+        "adam",
+        dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.1, decoupled=True),
+    ),
+    "AccumAdam": (
+        dopt.AccumAdam,
+        dict(lr=0.01, weight_decay=1e-2, accum_iter=3),
+        "accum_adam",
+        dict(lr=0.01, weight_decay=1e-2, accum_iter=3),
+    ),
+    "AccumAdamW": (
+        dopt.AccumAdamW,
+        dict(lr=0.01, weight_decay=0.1),
+        "accum_adam",
+        dict(lr=0.01, weight_decay=0.1, accum_iter=4, decoupled=True),
+    ),
 }
 GROUP1 = dict(lr=0.02, weight_decay=0.05)
 
 # (topology, world size, local world size): every size the topology allows among 2, 3, 4, 8
 TOPOLOGIES = [
-    ("complete", 2, 1), ("complete", 3, 1), ("complete", 4, 1), ("complete", 8, 1),
-    ("ring", 2, 1), ("ring", 3, 1), ("ring", 4, 1), ("ring", 8, 1),
-    ("one-peer-exp", 2, 1), ("one-peer-exp", 4, 1), ("one-peer-exp", 8, 1),
-    ("alternating-exp-ring", 2, 1), ("alternating-exp-ring", 4, 2),
-    ("alternating-exp-ring", 8, 2), ("alternating-exp-ring", 8, 4),
+    ("complete", 2, 1),
+    ("complete", 3, 1),
+    ("complete", 4, 1),
+    ("complete", 8, 1),
+    ("ring", 2, 1),
+    ("ring", 3, 1),
+    ("ring", 4, 1),
+    ("ring", 8, 1),
+    ("one-peer-exp", 2, 1),
+    ("one-peer-exp", 4, 1),
+    ("one-peer-exp", 8, 1),
+    ("alternating-exp-ring", 2, 1),
+    ("alternating-exp-ring", 4, 2),
+    ("alternating-exp-ring", 8, 2),
+    ("alternating-exp-ring", 8, 4),
 ]
 
 
@@ -73,8 +107,13 @@ def _train(rank, world_size, name, topology, local, steps, skip_rank_step):
     cls, kwargs, *_ = OPTIMIZERS[name]
     model = _model()
     # a tiny bucket cap, so the run uses several buckets per group
-    opt = cls(_param_groups(model), **kwargs, topology=topology, local_world_size=local,
-              bucket_cap_mb=64 / 2**20)
+    opt = cls(
+        _param_groups(model),
+        **kwargs,
+        topology=topology,
+        local_world_size=local,
+        bucket_cap_mb=64 / 2**20,
+    )
     for t in range(steps):
         opt.zero_grad()
         if (rank, t) != skip_rank_step:  # this rank has no gradient: its update is skipped
@@ -105,8 +144,9 @@ def _reference(name, topology, n, local, steps, skip_rank_step=None, *, skips=()
 
     if mixing is None:
         mixing = get_topology(topology, n, local).mixing_matrix
-    return simulate(kind, mixing, x0, grads, segments, steps,
-                    has_grad=lambda rank, t: (rank, t) not in skipped)
+    return simulate(
+        kind, mixing, x0, grads, segments, steps, has_grad=lambda rank, t: (rank, t) not in skipped
+    )
 
 
 @pytest.mark.multiprocess

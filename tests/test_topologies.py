@@ -155,7 +155,9 @@ def _check_round(topo: Topology, t: int) -> torch.Tensor:
     for i in range(n):
         row = topo.weights(i, t)
         expected = {j: v for j, v in enumerate(rows[i]) if v > 0}
-        assert list(row) == list(expected), f"rank {i} step {t}: keys {list(row)} != nonzeros {list(expected)}"
+        assert list(row) == list(expected), (
+            f"rank {i} step {t}: keys {list(row)} != nonzeros {list(expected)}"
+        )
         assert all(type(j) is int for j in row)
         assert all(isinstance(v, float) for v in row.values())
         assert all(abs(row[j] - v) <= SUM_ATOL for j, v in expected.items()), f"rank {i} step {t}"
@@ -294,8 +296,16 @@ HAND_WRITTEN = [
     (RingTopology(4), 0, [[H, H, 0, 0], [H, H, 0, 0], [0, 0, H, H], [0, 0, H, H]]),
     (RingTopology(4), 1, [[H, 0, 0, H], [0, H, H, 0], [0, H, H, 0], [H, 0, 0, H]]),
     (RingTopology(4), 3, [[H, 0, 0, H], [0, H, H, 0], [0, H, H, 0], [H, 0, 0, H]]),
-    (RingTopology(5), 0, [[H, H, 0, 0, 0], [H, H, 0, 0, 0], [0, 0, H, H, 0], [0, 0, H, H, 0], [0, 0, 0, 0, 1]]),
-    (RingTopology(5), 1, [[1, 0, 0, 0, 0], [0, H, H, 0, 0], [0, H, H, 0, 0], [0, 0, 0, H, H], [0, 0, 0, H, H]]),
+    (
+        RingTopology(5),
+        0,
+        [[H, H, 0, 0, 0], [H, H, 0, 0, 0], [0, 0, H, H, 0], [0, 0, H, H, 0], [0, 0, 0, 0, 1]],
+    ),
+    (
+        RingTopology(5),
+        1,
+        [[1, 0, 0, 0, 0], [0, H, H, 0, 0], [0, H, H, 0, 0], [0, 0, 0, H, H], [0, 0, 0, H, H]],
+    ),
     (OnePeerExpTopology(2), 0, [[H, H], [H, H]]),
     (OnePeerExpTopology(4), 0, [[H, H, 0, 0], [H, H, 0, 0], [0, 0, H, H], [0, 0, H, H]]),
     (OnePeerExpTopology(4), 1, [[H, 0, H, 0], [0, H, 0, H], [H, 0, H, 0], [0, H, 0, H]]),
@@ -309,7 +319,9 @@ HAND_WRITTEN = [
 ]
 
 
-@pytest.mark.parametrize("topo, t, rows", HAND_WRITTEN, ids=lambda x: repr(x) if isinstance(x, Topology) else None)
+@pytest.mark.parametrize(
+    "topo, t, rows", HAND_WRITTEN, ids=lambda x: repr(x) if isinstance(x, Topology) else None
+)
 def test_hand_written_matrices(topo, t, rows):
     torch.testing.assert_close(topo.mixing_matrix(t), _t(rows))
 
@@ -443,7 +455,9 @@ LAZY_METROPOLIS_PATH_3 = [[5 / 6, 1 / 6, 0], [1 / 6, 4 / 6, 1 / 6], [0, 1 / 6, 5
 HALF_CYCLE_4 = [[H, H, 0, 0], [0, H, H, 0], [0, 0, H, H], [H, 0, 0, H]]
 
 
-@pytest.mark.parametrize("rows", [LAZY_METROPOLIS_PATH_3, HALF_CYCLE_4], ids=["metropolis-path3", "half-cycle4"])
+@pytest.mark.parametrize(
+    "rows", [LAZY_METROPOLIS_PATH_3, HALF_CYCLE_4], ids=["metropolis-path3", "half-cycle4"]
+)
 def test_groups_is_none_without_block_structure(rows):
     topo = CustomTopology([rows])
     assert topo.groups(0) is None
@@ -540,7 +554,10 @@ def test_custom_accepts_sums_within_tolerance():
         ([[{0: 1.0}, {1: H, 5: H}, {2: 1.0}]], r"(?i)(?=.*round 0)(?=.*\b5\b)"),  # no rank 5 of 3
         ([torch.eye(3, dtype=torch.float64)], r"(?i)mix|singular|spectral|connect"),
         ([[[0.0, 1.0], [1.0, 0.0]]], r"(?i)mix|singular|spectral|connect"),  # a swap never averages
-        ([[[H, H, 0, 0], [H, H, 0, 0], [0, 0, H, H], [0, 0, H, H]]] * 2, r"(?i)mix|singular|spectral|connect"),
+        (
+            [[[H, H, 0, 0], [H, H, 0, 0], [0, 0, H, H], [0, 0, H, H]]] * 2,
+            r"(?i)mix|singular|spectral|connect",
+        ),
     ],
     ids=[
         "empty",
@@ -582,7 +599,9 @@ def _doubly_stochastic(n: int):
 @given(st.integers(1, 6).flatmap(lambda n: st.lists(_doubly_stochastic(n), min_size=1, max_size=3)))
 def test_custom_round_trips_random_doubly_stochastic_schedules(schedule):
     n = schedule[0].shape[0]
-    as_dicts = [[{j: v for j, v in enumerate(row) if v > 0} for row in w.tolist()] for w in schedule]
+    as_dicts = [
+        [{j: v for j, v in enumerate(row) if v > 0} for row in w.tolist()] for w in schedule
+    ]
     for given_schedule in (schedule, [w.tolist() for w in schedule], as_dicts):
         topo = CustomTopology(given_schedule)
         assert topo.world_size == n and topo.period == len(schedule)

@@ -46,11 +46,15 @@ SCHEDULERS = {
     "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1 / (1 + t)),
     "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(
         o,
-        [torch.optim.lr_scheduler.LinearLR(o, 0.1, total_iters=5),
-         torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=25)],
+        [
+            torch.optim.lr_scheduler.LinearLR(o, 0.1, total_iters=5),
+            torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=25),
+        ],
         milestones=[5],
     ),
-    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=1, factor=0.5),
+    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(
+        o, patience=1, factor=0.5
+    ),
 }
 
 
@@ -202,7 +206,9 @@ def test_checkpoint_loads_with_weights_only(tmp_path):
     assert loaded["decent_optim"] == {"step": 1, "pending": False}
     fresh = dopt.AccumAdamW(model.parameters(), lr=0.01)
     fresh.load_state_dict(loaded)
-    torch.testing.assert_close(fresh.state_dict()["state"][0]["exp_avg"], opt.state[model.weight]["exp_avg"])
+    torch.testing.assert_close(
+        fresh.state_dict()["state"][0]["exp_avg"], opt.state[model.weight]["exp_avg"]
+    )
 
 
 # -- evaluation on the consensus model ----------------------------------------------------------
@@ -222,8 +228,9 @@ class _BNNet(nn.Module):
 
 def _eval_run(rank, world_size, evaluate_every, global_avg_every=None):
     model = _BNNet()
-    opt = dopt.DecentralizedAdamW(model.parameters(), lr=0.01, topology="ring",
-                                  global_avg_every=global_avg_every)
+    opt = dopt.DecentralizedAdamW(
+        model.parameters(), lr=0.01, topology="ring", global_avg_every=global_avg_every
+    )
     report = {"averaged": [], "distance": []}
     for t in range(12):
         gen = torch.Generator().manual_seed(100 * rank + t)
@@ -266,16 +273,30 @@ def test_averaged_evaluates_the_mean_and_training_continues_unchanged():
             assert evaluated[r]["distance"][k] == pytest.approx(want, rel=1e-9)
         assert any(d > 0 for d in (evaluated[r]["distance"][k] for r in range(n)))
     final = torch.stack([evaluated[r]["final"] for r in range(n)])
-    exported = torch.cat([evaluated[0]["export"][k].flatten() for k in ("lin.weight", "lin.bias", "bn.weight", "bn.bias", "out.weight", "out.bias")])
+    exported = torch.cat(
+        [
+            evaluated[0]["export"][k].flatten()
+            for k in ("lin.weight", "lin.bias", "bn.weight", "bn.bias", "out.weight", "out.bias")
+        ]
+    )
     torch.testing.assert_close(exported, final.mean(dim=0))
     for r in range(1, n):
-        assert all(torch.equal(evaluated[r]["export"][k], evaluated[0]["export"][k]) for k in evaluated[0]["export"])
+        assert all(
+            torch.equal(evaluated[r]["export"][k], evaluated[0]["export"][k])
+            for k in evaluated[0]["export"]
+        )
 
 
 def _train_pga(rank, world_size, every):
     model = _model()
-    opt = dopt.DSGD(_param_groups(model), lr=0.05, momentum=0.9, weight_decay=1e-3,
-                    topology="ring", global_avg_every=every)
+    opt = dopt.DSGD(
+        _param_groups(model),
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=1e-3,
+        topology="ring",
+        global_avg_every=every,
+    )
     for t in range(10):
         opt.zero_grad()
         _loss(model, rank, t).backward()
@@ -320,8 +341,15 @@ def _train_scaled(rank, world_size, name, inf_steps, unscale_first=False):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name, unscale_first", [("DSGD", False), ("DecentralizedAdamW", False),
-                                                 ("AccumAdam", False), ("DecentralizedAdamW", True)])
+@pytest.mark.parametrize(
+    "name, unscale_first",
+    [
+        ("DSGD", False),
+        ("DecentralizedAdamW", False),
+        ("AccumAdam", False),
+        ("DecentralizedAdamW", True),
+    ],
+)
 def test_grad_scaler_skip_on_one_rank_keeps_gossip_in_step(name, unscale_first):
     inf_steps = {(1, 3), (1, 7), (2, 7)}
     got = torch.stack(run_world(_train_scaled, 4, name, inf_steps, unscale_first, timeout=60))
@@ -393,8 +421,11 @@ def test_step_before_backward_is_an_error():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(timeout=0), "timeout must be > 0"), (dict(timeout=-1.0), "timeout must be > 0"),
-     (dict(global_avg_every=0), "global_avg_every must be a positive int")],
+    [
+        (dict(timeout=0), "timeout must be > 0"),
+        (dict(timeout=-1.0), "timeout must be > 0"),
+        (dict(global_avg_every=0), "global_avg_every must be a positive int"),
+    ],
 )
 def test_bad_decentralized_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -427,8 +458,13 @@ def _fault_process(rank, world_size, init_file, out_dir):
     import datetime
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=30),
+    )
     _die_or_wait(rank, world_size, 3, 5, out_dir)
     os._exit(0)  # skip teardown: a peer is gone
 
@@ -438,8 +474,10 @@ def test_dead_rank_makes_the_others_raise_with_round_and_peer(tmp_path):
     # own processes rather than the harness: the harness stops every rank once one dies, and
     # here the survivors must be left to notice it themselves
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_fault_process, args=(r, 4, str(tmp_path / "init"), str(tmp_path)))
-             for r in range(4)]
+    procs = [
+        ctx.Process(target=_fault_process, args=(r, 4, str(tmp_path / "init"), str(tmp_path)))
+        for r in range(4)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + 90
@@ -527,8 +565,10 @@ def test_compiled_model_trains_like_eager_without_recompiling(when):
         assert final == warm, f"recompiled after warm-up: {warm} -> {final} graphs"
 
 
-@pytest.mark.parametrize("cls, torch_cls", [(dopt.DecentralizedAdamW, torch.optim.AdamW),
-                                            (dopt.DecentralizedAdam, torch.optim.Adam)])
+@pytest.mark.parametrize(
+    "cls, torch_cls",
+    [(dopt.DecentralizedAdamW, torch.optim.AdamW), (dopt.DecentralizedAdam, torch.optim.Adam)],
+)
 def test_compiled_optimizer_step_matches_torch(cls, torch_cls):
     import torch._dynamo
 
@@ -550,7 +590,9 @@ def test_compiled_optimizer_step_matches_torch(cls, torch_cls):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("timeout", [2.5, datetime.timedelta(seconds=2.5)], ids=["float", "timedelta"])
+@pytest.mark.parametrize(
+    "timeout", [2.5, datetime.timedelta(seconds=2.5)], ids=["float", "timedelta"]
+)
 def test_timeout_accepts_seconds_or_timedelta(timeout):
     opt = dopt.DSGD(nn.Linear(2, 2).parameters(), lr=0.1, timeout=timeout)
     assert opt.world_size == 1  # accepted; it bounds every gossip wait once there are peers

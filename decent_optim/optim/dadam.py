@@ -213,9 +213,8 @@ class _FastBucket:
         keys = opt._flat_state_keys(group)
         views = {key: opt._flat_views(index, bucket, key) for key in keys}
         steps = self.step_views
-        if (
-            any(not isinstance(s, Tensor) or s.device != bucket.device for s in steps)
-            or any(st.get(k) is not v for k in keys for st, v in zip(states, views[k]))
+        if any(not isinstance(s, Tensor) or s.device != bucket.device for s in steps) or any(
+            st.get(k) is not v for k in keys for st, v in zip(states, views[k])
         ):
             return self  # state not created yet (first step) or not in the flat buffers
         counts = torch.stack([s.detach().reshape(()).to(torch.float32) for s in steps])

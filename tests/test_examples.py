@@ -1,0 +1,93 @@
+"""Smoke tests of the scripts in examples/: a few steps as one process and on 2 gloo ranks.
+
+Each script runs in a subprocess exactly as a user starts it (``python examples/X.py`` and
+``torchrun --standalone --nproc_per_node 2 examples/X.py``), with a timeout, and must exit 0 and
+print its final summary. They need the ``examples`` extra (tqdm, matplotlib, scikit-learn), which
+the ``test`` extra includes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+TIMEOUT_S = 240  # start-up of 2 ranks plus a few steps; generous for a busy 2-core machine
+
+# script, arguments for a few quick steps, text the final summary must contain
+CASES = [
+    ("quickstart.py", ["5"], "mean squared error vs sin(x)"),
+    (
+        "train_charlm.py",
+        [
+            "--steps",
+            "6",
+            "--log-every",
+            "2",
+            "--eval-every",
+            "3",
+            "--compare",
+            "--plot",
+            "loss.png",
+        ],
+        "done: All-Reduce (DDP + AdamW)",
+    ),
+    (
+        "digits_cnn.py",
+        ["--steps", "6", "--eval-every", "3"],
+        "test accuracy of the consensus model",
+    ),
+]
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # the checkout's decent_optim wins over an installed one, as in conftest.py
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for var in (
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
+        env.pop(var, None)  # a test run under torchrun must not make the script join that world
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+    )
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited with {proc.returncode}\n"
+        f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+    )
+    return proc
+
+
+@pytest.mark.parametrize("script,args,summary", CASES, ids=[c[0] for c in CASES])
+def test_example_single_process(script: str, args: list[str], summary: str, tmp_path: Path) -> None:
+    proc = _run([sys.executable, str(EXAMPLES / script), *args], cwd=tmp_path)
+    assert summary in proc.stdout
+    if "--plot" in args:  # a PNG comparing both runs
+        assert "done: decent_optim AdamW" in proc.stdout
+        assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("script,args,summary", CASES, ids=[c[0] for c in CASES])
+def test_example_two_ranks(script: str, args: list[str], summary: str, tmp_path: Path) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = _run([*torchrun, str(EXAMPLES / script), *args], cwd=tmp_path)
+    assert summary in proc.stdout
+    if script == "quickstart.py":  # every rank prints its own result
+        assert "rank 0:" in proc.stdout and "rank 1:" in proc.stdout
+
+
+def test_charlm_baseline_flag_runs_only_the_baseline(tmp_path: Path) -> None:
+    args = ["--steps", "3", "--eval-every", "3", "--baseline", "allreduce"]
+    proc = _run([sys.executable, str(EXAMPLES / "train_charlm.py"), *args], cwd=tmp_path)
+    assert "done: All-Reduce" in proc.stdout and "decent_optim AdamW" not in proc.stdout
