@@ -74,12 +74,12 @@ def _decay_(
     ``g + weight_decay * p``. The caller's gradient tensors are never modified.
     """
     if maximize:
-        grads = torch._foreach_neg(grads)
+        grads = list(torch._foreach_neg(grads))
     if decoupled:
         if weight_decay:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
     elif weight_decay:
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+        grads = list(torch._foreach_add(grads, params, alpha=weight_decay))
     return grads
 
 
@@ -225,7 +225,7 @@ def accum_adam_update_(
     bias2_sqrt = math.sqrt(1 - beta2**k)
     m = torch._foreach_mul(exp_avgs, beta1)
     torch._foreach_add_(m, grads, alpha=1 - beta1)
-    v = torch._foreach_mul(exp_avg_sqs, beta2)
+    v: list[Tensor] = list(torch._foreach_mul(exp_avg_sqs, beta2))
     torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
     if amsgrad:
         torch._foreach_maximum_(max_exp_avg_sqs, v)

@@ -192,7 +192,7 @@ class Gossiper:
         self.topology = topology
         self.transport = transport
         self.timeout = timeout
-        self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]  # type: ignore[arg-type]  # resolved to a ProcessGroup above
         self._subgroups: dict[tuple[int, ...], object] = {}
         self._recv: dict[int, list[Tensor]] = {}  # in-neighbour slot -> one buffer per bucket
         self._in_flight = False  # a round holds the receive buffers (started, not yet mixed)

@@ -56,7 +56,9 @@ def _gather(values: list[float], device: torch.device) -> list[float]:
     return [float(v) for t in everyone for v in t.tolist()]
 
 
-def _synthetic_model(params: int, layers: int, device: torch.device, dtype: torch.dtype):
+def _synthetic_model(
+    params: int, layers: int, device: torch.device, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], int]:
     width = max(1, int(math.sqrt(params / layers)))
     gen = torch.Generator(device="cpu").manual_seed(0)
     weights = [
@@ -68,7 +70,9 @@ def _synthetic_model(params: int, layers: int, device: torch.device, dtype: torc
     return weights, width
 
 
-def _compute_times(weights, batch: int, iters: int, device: torch.device) -> tuple[list, list]:
+def _compute_times(
+    weights: list[torch.Tensor], batch: int, iters: int, device: torch.device
+) -> tuple[list, list]:
     """Seconds of forward+backward and of the forward alone, per iteration, on this rank."""
     x = torch.randn(batch, weights[0].shape[0], device=device, dtype=weights[0].dtype)
     total, forward = [], []
@@ -92,7 +96,7 @@ def _compute_times(weights, batch: int, iters: int, device: torch.device) -> tup
     return total, forward
 
 
-def _update_time(weights, reps: int, device: torch.device) -> float:
+def _update_time(weights: list[torch.Tensor], reps: int, device: torch.device) -> float:
     for w in weights:
         w.grad = torch.zeros_like(w)
     fused = device.type in ("cuda", "cpu")
@@ -124,7 +128,9 @@ def _allreduce_time(numel: int, reps: int, device: torch.device, dtype: torch.dt
     return statistics.median(samples)
 
 
-def _gossip_round_times(topo, numel: int, reps: int, device, dtype) -> list[float]:
+def _gossip_round_times(
+    topo: topologies.Topology, numel: int, reps: int, device: torch.device, dtype: torch.dtype
+) -> list[float]:
     gossip = Gossiper(topo)
     buffers = [torch.zeros(numel, device=device, dtype=dtype)]
     times = []

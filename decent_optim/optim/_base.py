@@ -373,7 +373,8 @@ class DecentralizedOptimizer(Optimizer):
                     st[key] = views[key][k]
                 self._init_state(group, st, p)
             states.append(st)
-        return _BucketState(params, [p.grad for p in params], states, fresh)
+        grads = [p.grad for p in params if p.grad is not None]  # all, by choice of with_grad
+        return _BucketState(params, grads, states, fresh)
 
     def _refill_flat_state(self) -> None:
         """After torch's loader made new state tensors, copy them into the flat buffers."""

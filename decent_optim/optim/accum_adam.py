@@ -122,7 +122,7 @@ class AccumAdam(DecentralizedOptimizer):
         if found_inf is not None and float(found_inf):
             return  # GradScaler found inf/NaN: skip the update (the gossip still runs)
         if grad_scale is not None:
-            state.grads = torch._foreach_div(state.grads, grad_scale)
+            state.grads = list(torch._foreach_div(state.grads, grad_scale))
         steps = [int(st["step"]) + 1 for st in state.states]
         for st in state.states:
             st["step"] += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -108,10 +108,11 @@ class DecentralizedAdam(DecentralizedOptimizer):
             or torch.compiler.is_compiling()  # cached Python lists: leave tracing to the general path
         ):
             return False
-        grads = [p.grad for p in bucket.params]
-        if any(g is None for g in grads):
+        maybe_grads = [p.grad for p in bucket.params]
+        if any(g is None for g in maybe_grads):
             self._fast.pop(index, None)  # these parameters skip a step: counts will differ
             return False
+        grads = cast(list[Tensor], maybe_grads)
         fast = self._fast.get(index)
         if fast is None or not fast.valid(self.state, bucket.params, group["amsgrad"]):
             fast = self._fast[index] = _FastBucket.build(self, index, bucket, group)
@@ -119,7 +120,7 @@ class DecentralizedAdam(DecentralizedOptimizer):
             return False
         if fast.flat:
             torch._foreach_copy_(fast.grad_buffer(self._gossip, index, bucket), grads)
-            grads = [fast.flat_grad]
+            grads = [cast(Tensor, fast.flat_grad)]  # set by grad_buffer
         beta1, beta2 = group["betas"]
         adam_update_uniform_(
             fast.params, grads, fast.exp_avgs, fast.exp_avg_sqs, fast.max_exp_avg_sqs,
@@ -178,9 +179,18 @@ class _FastBucket:
     was replaced since (e.g. by ``load_state_dict``).
     """
 
-    __slots__ = ("amsgrad", "exp_avg_sqs", "exp_avgs", "flat", "flat_grad", "grad_views",
-                 "max_exp_avg_sqs", "own_grad", "params", "step_counts", "step_views",
-                 "uniform")  # fmt: skip
+    amsgrad: bool
+    exp_avg_sqs: list[Tensor]
+    exp_avgs: list[Tensor]
+    flat: bool
+    flat_grad: Tensor | None
+    grad_views: list[Tensor]
+    max_exp_avg_sqs: list[Tensor]
+    own_grad: Tensor | None
+    params: list[Tensor]
+    step_counts: Tensor
+    step_views: list[Any]
+    uniform: bool
 
     def grad_buffer(self, gossip: Any, index: int, bucket: Bucket) -> list[Tensor]:
         """Per-parameter views of a flat buffer for the gradients; returns the views.
