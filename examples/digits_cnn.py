@@ -6,15 +6,13 @@
 The data set (1,797 images of handwritten digits) ships inside scikit-learn, so nothing is
 downloaded. Each worker trains on its own shard of the training images. BatchNorm layers keep
 running statistics in *buffers*, which gossip does not touch: every worker's statistics describe
-its own shard only. For evaluation this script therefore averages both the parameters and the
-floating-point buffers over all workers, evaluates that consensus model, and then restores every
-worker's own values so that training continues exactly as before.
+its own shard only. For evaluation, ``opt.averaged(model)`` therefore averages both the
+parameters and the floating-point buffers over all workers, the script evaluates that consensus
+model, and every worker's own values come back so that training continues exactly as before.
 """
 
 import argparse
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -39,32 +37,6 @@ def make_model() -> nn.Module:
         nn.Flatten(),
         nn.Linear(64, 10),
     )
-
-
-@contextmanager
-def averaged_over_ranks(model: nn.Module, opt: dopt.DecentralizedOptimizer) -> Iterator[None]:
-    """Temporarily replace parameters *and* floating-point buffers by their mean over all ranks.
-
-    A collective: every rank must enter it at the same step. It is what ``opt.averaged(model)``
-    will do once that lands in decent_optim; until then, this is the whole recipe.
-    """
-    opt.synchronize()  # finish the round in flight: it writes the parameters when it completes
-    tensors = [p.detach() for p in model.parameters()]
-    tensors += [b for b in model.buffers() if b.is_floating_point()]  # BatchNorm mean and var
-    backup = [t.clone() for t in tensors]
-    if dist.is_initialized():
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat)  # gloo has no AVG: sum, then divide
-        flat /= dist.get_world_size()
-        offset = 0
-        for t in tensors:  # copy in place: the parameters are views of the optimizer's buffers
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-    try:
-        yield
-    finally:
-        for t, saved in zip(tensors, backup):
-            t.copy_(saved)
 
 
 @torch.no_grad()
@@ -120,7 +92,7 @@ def main() -> None:
         opt.step()
         if step % args.eval_every == 0 or step == args.steps:
             local = accuracy(model, x_test, y_test)  # this rank's own model and statistics
-            with averaged_over_ranks(model, opt):
+            with opt.averaged(model):  # parameters and BatchNorm buffers, restored after
                 consensus = accuracy(model, x_test, y_test)
             if rank == 0:
                 bar.write(
