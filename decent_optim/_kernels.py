@@ -49,11 +49,10 @@ def adam_update_(
             decoupled=decoupled, grad_scale=grad_scale, found_inf=found_inf,
         )  # fmt: skip
         return
-    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    fused(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-        amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf,
+    _fused_adam(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1,
+        beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+        decoupled=decoupled, grad_scale=grad_scale, found_inf=found_inf,
     )  # fmt: skip
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))  # a skipped step does not count
@@ -155,12 +154,38 @@ def adam_update_uniform_(
     :class:`decent_optim.DecentralizedAdam`.
     """
     step_counts.add_(1)
-    step = step_counts[0]
+    _fused_adam(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, [step_counts[0]] * len(params),
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+        maximize=maximize, decoupled=decoupled,
+    )  # fmt: skip
+
+
+def _fused_adam(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float | Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """torch's fused Adam (``decoupled=False``) or AdamW kernel; steps already incremented."""
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
     fused(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, [step] * len(params),
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-        amsgrad=amsgrad, maximize=maximize,
+        amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf,
     )  # fmt: skip
 
 

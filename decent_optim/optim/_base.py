@@ -128,7 +128,7 @@ class DecentralizedOptimizer(Optimizer):
         self._pending: GossipHandle | None = None
         self._relaunch = False  # a loaded checkpoint had round `_rounds` in flight
         self._rounds = 0  # completed steps; the next step waits on round `_rounds`
-        self._flat_state: dict[tuple[int, str], list[Tensor]] = {}
+        self._flat_state: dict[tuple[int, str], tuple[Tensor, list[Tensor]]] = {}
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -351,12 +351,16 @@ class DecentralizedOptimizer(Optimizer):
             )
         self._flat.check_aliasing()
 
+    def _flat_buffer(self, index: int, bucket: Bucket, key: str) -> tuple[Tensor, list[Tensor]]:
+        """State ``key`` of bucket ``index``: one flat buffer and its per-parameter views."""
+        entry = self._flat_state.get((index, key))
+        if entry is None:
+            flat = torch.zeros_like(bucket.data)
+            entry = self._flat_state[(index, key)] = (flat, bucket.views(flat))
+        return entry
+
     def _flat_views(self, index: int, bucket: Bucket, key: str) -> list[Tensor]:
-        views = self._flat_state.get((index, key))
-        if views is None:
-            views = bucket.views(torch.zeros_like(bucket.data))
-            self._flat_state[(index, key)] = views
-        return views
+        return self._flat_buffer(index, bucket, key)[1]
 
     def _bucket_state(
         self, index: int, bucket: Bucket, group: dict[str, Any], with_grad: list[int]

@@ -18,6 +18,7 @@ from decent_optim._validation import (
     check_weight_decay,
 )
 from decent_optim.flat import Bucket
+from decent_optim.gossip import Gossiper, LocalGossiper
 from decent_optim.optim._base import DecentralizedOptimizer, _BucketState
 from decent_optim.topologies import Topology
 
@@ -192,14 +193,15 @@ class _FastBucket:
     step_views: list[Any]
     uniform: bool
 
-    def grad_buffer(self, gossip: Any, index: int, bucket: Bucket) -> list[Tensor]:
+    def grad_buffer(
+        self, gossip: Gossiper | LocalGossiper, index: int, bucket: Bucket
+    ) -> list[Tensor]:
         """Per-parameter views of a flat buffer for the gradients; returns the views.
 
         The buffer is the gossip's idle receive buffer of this bucket when there is one (free
         between mixing and the next launch), so the flat update costs no extra memory.
         """
-        idle = getattr(gossip, "idle_buffer", None)  # test fakes may not have one
-        buf = idle(index, bucket.data) if idle is not None else None
+        buf = gossip.idle_buffer(index, bucket.data)
         if buf is None:
             if self.own_grad is None:
                 self.own_grad = torch.empty_like(bucket.data)
@@ -235,7 +237,7 @@ class _FastBucket:
         for st, s in zip(states, self.step_views):
             st["step"] = s
         if bucket.device.type == "cpu" and bucket.numel < _FLATTEN_BELOW_NUMEL * len(bucket.params):
-            flat = {k: _whole(v[0], bucket.numel) for k, v in views.items()}
+            flat = {k: opt._flat_buffer(index, bucket, k)[0] for k in keys}
             self.params = [bucket.data]
             self.exp_avgs, self.exp_avg_sqs = [flat["exp_avg"]], [flat["exp_avg_sq"]]
             self.max_exp_avg_sqs = [flat["max_exp_avg_sq"]] if self.amsgrad else []
@@ -247,11 +249,6 @@ class _FastBucket:
             self.flat = False
         self.uniform = True
         return self
-
-
-def _whole(first_view: Tensor, numel: int) -> Tensor:
-    """The 1-D flat buffer whose first parameter view is ``first_view`` (offset 0)."""
-    return first_view.as_strided((numel,), (1,), first_view.storage_offset())
 
 
 class DecentralizedAdamW(DecentralizedAdam):
