@@ -266,3 +266,17 @@ def accum_adam_update_(
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grad_accs, grad_accs, value=1 - beta2)
         torch._foreach_zero_(grad_accs)
+
+
+def folded_decay(factor: float, lr: float, weight_decay: float) -> float:
+    """The decay ``w`` with ``1 - lr * w == factor * (1 - lr * weight_decay)``; ``lr > 0``.
+
+    A kernel whose first operation on the parameter is ``p <- (1 - lr * w) * p`` (AdamW's
+    decoupled decay; SGD's L2 decay when there is no momentum, since then
+    ``p - lr * (g + w * p) == (1 - lr * w) * p - lr * g``), called with this ``w`` on
+    ``p / factor``, computes what it would with ``weight_decay`` on ``p``: the pending factor
+    of a mix (:meth:`decent_optim.gossip.GossipHandle.mix_unscaled_`) is applied in the same
+    pass as the update. The result differs from multiplying first by a few units in the last
+    place.
+    """
+    return (1.0 - factor * (1.0 - lr * weight_decay)) / lr
