@@ -1,4 +1,4 @@
-"""Time of one optimizer step in one process: decent_optim vs torch.optim.AdamW.
+"""Time of one optimizer step in one process: decent_optim vs its torch.optim counterpart.
 
     python benchmarks/optimizer_step.py                 # CPU; --device cuda on a GPU
 
@@ -8,12 +8,20 @@ ones, 10M+ parameters). Methods, run interleaved round-robin so machine load hit
 * ``torch-foreach`` / ``torch-fused``: ``torch.optim.AdamW(foreach=True)`` / ``(fused=True)``;
 * ``decent-update``: ``DecentralizedAdamW.step()`` with one worker (the local update only);
 * ``decent-step``: the full step, mix + update: the optimizer's gossip is replaced by a loopback
-  that mixes each bucket with a fixed "received" copy (the pair average ``(x + x_j) / 2`` that a
-  ring round computes), so it times the arithmetic of a step without the network.
+  that mixes each bucket with a fixed "received" copy the way a ring round does (the sum
+  ``x + x_j`` is left in the bucket and the 1/2 goes to the update), and lends a receive-sized
+  buffer as the real gossip does, so it times the arithmetic of a step without the network;
+* ``torch-sgd-fused`` / ``dsgd-update`` / ``dsgd-step``: the same for ``torch.optim.SGD(fused=True)``
+  and ``DSGD``, both with momentum 0.9 (the mix factor cannot join a momentum update);
+* ``accum-update`` / ``accum-step``: ``AccumAdamW(accum_iter=4)``, compared with torch's fused
+  AdamW (AccumAdam has no torch counterpart; with ``accum_iter=1`` it is Adam).
 
-Effective bandwidth counts the bytes a step must move: AdamW reads p, g, m, v and writes p, m, v
-(28 bytes per float32 parameter); the mix adds a read of p and of the received copy and a write
-of p (12 more). Results go to ``benchmarks/results/optimizer_step.{json,md}``.
+Effective bandwidth counts the bytes a step must move per float32 parameter: AdamW reads p, g,
+m, v and writes p, m, v (28 bytes); SGD with momentum reads p, g, b and writes p, b (20);
+AccumAdam at least reads p, g, m, v, the accumulator and writes p and the accumulator (28); the
+mix adds a read of p and of the received copy and a write of p (12 more). ``vs torch`` is the
+ratio to the median of the torch counterpart named in ``reference`` (its fused kernel).
+Results go to ``benchmarks/results/optimizer_step.{json,md}``.
 """
 
 from __future__ import annotations
@@ -27,8 +35,25 @@ from pathlib import Path
 import torch
 
 import decent_optim as dopt
+from decent_optim.gossip import GossipHandle
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+ADAMW = dict(lr=1e-4, weight_decay=0.01)
+SGD = dict(lr=1e-3, momentum=0.9, weight_decay=1e-4)
+
+# method -> (bytes moved per parameter, torch reference method)
+METHODS = {
+    "torch-foreach": (28, "torch-fused"),
+    "torch-fused": (28, "torch-fused"),
+    "decent-update": (28, "torch-fused"),
+    "decent-step": (40, "torch-fused"),
+    "accum-update": (28, "torch-fused"),
+    "accum-step": (40, "torch-fused"),
+    "torch-sgd-fused": (20, "torch-sgd-fused"),
+    "dsgd-update": (20, "torch-sgd-fused"),
+    "dsgd-step": (32, "torch-sgd-fused"),
+}
 
 
 def shapes(name: str) -> list[tuple[int, ...]]:
@@ -37,7 +62,7 @@ def shapes(name: str) -> list[tuple[int, ...]]:
         for _ in range(150):
             out += [(64, 128), (128,), (128, 64), (64,)]
         return out
-    if name == "few-large":  # 4 tensors, 12.6M parameters
+    if name == "few-large":  # 4 tensors, 10.5M parameters
         return [(2048, 2048), (2048, 1024), (1024, 2048), (1024, 2048)]
     raise ValueError(name)
 
@@ -49,34 +74,46 @@ class _Loopback:
 
     def __init__(self) -> None:
         self.received: list[torch.Tensor] | None = None
+        self.receive_buffers: dict[int, torch.Tensor] = {}
 
-    def start(self, buffers, step, **kwargs):  # kwargs: future options of Gossiper.start
+    def start(self, buffers, step, **kwargs) -> GossipHandle:  # kwargs: global_average
         if self.received is None:
             self.received = [b.clone() for b in buffers]
         received = self.received
 
-        class _Handle:
-            def wait_and_mix_(self) -> None:
-                for buf, other in zip(buffers, received):
-                    buf.add_(other).mul_(0.5)  # what Gossiper does after a pair round
+        def finish() -> list[float]:
+            for buf, other in zip(buffers, received):
+                buf.add_(other)  # what Gossiper leaves after a pair round
+            return [0.5] * len(buffers)
 
-        return _Handle()
+        return GossipHandle([], finish, buffers=buffers)
+
+    def idle_buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        # Gossiper lends the bucket's receive buffer; here a buffer of the same size stands in
+        if index not in self.receive_buffers:
+            self.receive_buffers[index] = torch.empty_like(like)
+        return self.receive_buffers[index]
 
 
 def make(method: str, params: list[torch.Tensor]):
-    kw = dict(lr=1e-4, weight_decay=0.01)
     if method == "torch-foreach":
-        return torch.optim.AdamW(params, foreach=True, **kw)
+        return torch.optim.AdamW(params, foreach=True, **ADAMW)
     if method == "torch-fused":
-        return torch.optim.AdamW(params, fused=True, **kw)
-    opt = dopt.DecentralizedAdamW(params, **kw)
-    if method == "decent-step":
+        return torch.optim.AdamW(params, fused=True, **ADAMW)
+    if method == "torch-sgd-fused":
+        return torch.optim.SGD(params, fused=True, **SGD)
+    if method.startswith("decent"):
+        opt = dopt.DecentralizedAdamW(params, **ADAMW)
+    elif method.startswith("accum"):
+        opt = dopt.AccumAdamW(params, accum_iter=4, **ADAMW)
+    else:
+        opt = dopt.DSGD(params, **SGD)
+    if method.endswith("-step"):
         opt._gossip = _Loopback()
     return opt
 
 
-def run(shape_name: str, device: str, iters: int, warmup: int) -> list[dict]:
-    methods = ["torch-foreach", "torch-fused", "decent-update", "decent-step"]
+def run(shape_name: str, device: str, iters: int, warmup: int, methods: list[str]) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     setups = {}
     for m in methods:
@@ -99,14 +136,15 @@ def run(shape_name: str, device: str, iters: int, warmup: int) -> list[dict]:
                 torch.cuda.synchronize()
             if it >= warmup:
                 samples[m].append(time.perf_counter() - t0)
-    fused = statistics.median(samples["torch-fused"])
     rows = []
     for m in methods:
         t = statistics.median(samples[m])
-        moved = numel * 4 * (28 + (12 if m == "decent-step" else 0)) // 4
+        nbytes, ref = METHODS[m]
+        ref_t = statistics.median(samples[ref]) if ref in samples else float("nan")
         rows.append({
             "shape": shape_name, "method": m, "tensors": len(shapes(shape_name)), "params": numel,
-            "median_ms": t * 1e3, "GB_per_s": moved / t / 1e9, "vs_torch_fused": t / fused,
+            "median_ms": t * 1e3, "GB_per_s": numel * nbytes / t / 1e9, "reference": ref,
+            "vs_torch": t / ref_t,
         })  # fmt: skip
     return rows
 
@@ -120,6 +158,7 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)"
     )
     p.add_argument("--shapes", nargs="+", default=["many-small", "few-large"])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.threads:
@@ -127,18 +166,18 @@ def main() -> None:
     rows = []
     for s in args.shapes:
         print(f"[optimizer_step] {s} ...", flush=True)
-        rows += run(s, args.device, args.iters, args.warmup)
+        rows += run(s, args.device, args.iters, args.warmup, args.methods)
     lines = [
         f"optimizer step, one process, {args.device}, {torch.get_num_threads()} threads, "
         f"median of {args.iters} steps (torch {torch.__version__})",
         "",
-        "| shape | tensors | params | method | ms / step | effective GB/s | vs torch fused |",
+        "| shape | tensors | params | method | ms / step | effective GB/s | vs torch |",
         "|---|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['tensors']} | {r['params'] / 1e6:.1f}M | {r['method']} | "
-            f"{r['median_ms']:.2f} | {r['GB_per_s']:.1f} | {r['vs_torch_fused']:.2f}x |"
+            f"{r['median_ms']:.2f} | {r['GB_per_s']:.1f} | {r['vs_torch']:.2f}x |"
         )
     table = "\n".join(lines)
     print(table)

@@ -261,8 +261,78 @@ def accum_adam_update_(
     torch._foreach_addcdiv_(params, m, denom, value=-lr / bias1)
     torch._foreach_add_(grad_accs, grads, alpha=1 / accum_iter)
     if step % accum_iter == 0:
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grad_accs, alpha=1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grad_accs, grad_accs, value=1 - beta2)
-        torch._foreach_zero_(grad_accs)
+        accum_adam_refresh_(exp_avgs, exp_avg_sqs, grad_accs, beta1=beta1, beta2=beta2)
+
+
+@torch.no_grad()
+def accum_adam_step_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    grad_acc: Tensor,
+    max_exp_avg_sq: Tensor | None,
+    scratch: tuple[Tensor, Tensor],
+    step: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    decoupled: bool,
+    accum_iter: int,
+) -> None:
+    """AccumAdam's parameter step on flat tensors, leaving the moment bases as they are.
+
+    ``step`` holds the bias-correction count ``k = ceil(t / accum_iter)``. The moments of this
+    step are formed in ``scratch`` (two tensors like ``param``: copies of the bases), where
+    torch's fused Adam kernel updates them together with the parameter in one pass. The
+    gradient, as the update sees it (negated for ``maximize``, plus ``weight_decay * param`` for
+    L2 decay), joins ``grad_acc``. The refresh at the end of a window is
+    :func:`accum_adam_refresh_`. Math: see :class:`decent_optim.AccumAdam`.
+    """
+    grad_acc.add_(grad, alpha=(-1.0 if maximize else 1.0) / accum_iter)
+    if weight_decay and not decoupled:
+        grad_acc.add_(param, alpha=weight_decay / accum_iter)  # before the update changes param
+    m, v = scratch
+    m.copy_(exp_avg)
+    v.copy_(exp_avg_sq)
+    _fused_adam(
+        [param], [grad], [m], [v], [] if max_exp_avg_sq is None else [max_exp_avg_sq], [step],
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        amsgrad=max_exp_avg_sq is not None, maximize=maximize, decoupled=decoupled,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def accum_adam_refresh_(
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    grad_accs: list[Tensor],
+    *,
+    beta1: float,
+    beta2: float,
+) -> None:
+    """End of an AccumAdam window: the bases take one moment step with the mean gradient
+    ``grad_accs``, which then restarts from zero. Math: see :class:`decent_optim.AccumAdam`."""
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, grad_accs, alpha=1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grad_accs, grad_accs, value=1 - beta2)
+    torch._foreach_zero_(grad_accs)
+
+
+def folded_decay(factor: float, lr: float, weight_decay: float) -> float:
+    """The decay ``w`` with ``1 - lr * w == factor * (1 - lr * weight_decay)``; ``lr > 0``.
+
+    A kernel whose first operation on the parameter is ``p <- (1 - lr * w) * p`` (AdamW's
+    decoupled decay; SGD's L2 decay when there is no momentum, since then
+    ``p - lr * (g + w * p) == (1 - lr * w) * p - lr * g``), called with this ``w`` on
+    ``p / factor``, computes what it would with ``weight_decay`` on ``p``: the pending factor
+    of a mix (:meth:`decent_optim.gossip.GossipHandle.mix_unscaled_`) is applied in the same
+    pass as the update. The result differs from multiplying first by a few units in the last
+    place.
+    """
+    return (1.0 - factor * (1.0 - lr * weight_decay)) / lr

@@ -48,6 +48,8 @@ class Bucket:
         return [self.view_of(flat, p, off) for p, off in zip(self.params, self.offsets)]
 
     def check_aliasing(self) -> None:
+        if [p.data_ptr() for p in self.params] == self._ptrs:
+            return  # every step: one comparison of lists, not a Python loop
         for p, ptr in zip(self.params, self._ptrs):
             if p.data_ptr() != ptr:
                 raise RuntimeError(

@@ -4,7 +4,10 @@
 returns a :class:`GossipHandle`; ``handle.wait_and_mix_()`` finishes the exchange and overwrites
 each buffer with ``sum_j W(step)[rank, j] * buffer_j``. Between the two calls the caller may read
 the buffers (forward and backward) but must not write them: they are sent as they are, without
-a copy.
+a copy. An optimizer calls ``handle.wait_and_mix_unscaled_()`` instead: a round whose weights are
+all equal (a pair: 1/2) then leaves the plain sum ``sum_j buffer_j`` in the buffer, one pass, and
+hands the factor back for the caller to apply -- usually folded into its own update, so that
+mixing and updating cost one pass over the buffer less.
 
 Transport, per round and per group of the round:
 
@@ -61,13 +64,17 @@ class GossipHandle:
 
     ``wait_and_mix_`` does both. Waiting without mixing lets a caller use the process group or
     the buffers in between (e.g. a global average for evaluation) and still mix this round later.
+
+    ``finish`` (run by :meth:`mix_unscaled_`, after every transfer completed) writes the mix into
+    ``buffers`` up to one scalar factor per buffer, and returns those factors (1.0: none left).
     """
 
     def __init__(
         self,
         works: list[tuple[Any, int | None]],
-        finish: Callable[[], None] | None,
+        finish: Callable[[], list[float]] | None,
         *,
+        buffers: Sequence[Tensor] = (),
         round: int = 0,
         rank: int = 0,
         timeout: datetime.timedelta | None = None,
@@ -75,6 +82,7 @@ class GossipHandle:
     ) -> None:
         self._works = works  # (work, peer it talks to, or None for a group collective)
         self._finish = finish
+        self._buffers = list(buffers)
         self._on_close = on_close  # run once the received values are consumed or dropped
         self.round, self.rank, self.timeout = round, rank, timeout
 
@@ -108,12 +116,27 @@ class GossipHandle:
 
     def mix_(self) -> None:
         """Overwrite the buffers with the weighted mix (once; after :meth:`wait`)."""
+        for buf, scale in zip(self._buffers, self.mix_unscaled_()):
+            if scale != 1.0:
+                buf.mul_(scale)
+
+    def mix_unscaled_(self) -> list[float]:
+        """:meth:`mix_` without its last multiplication; returns the factor left per buffer.
+
+        Afterwards buffer ``b`` holds ``mixed_b / factors[b]``: for a round of equal weights
+        ``w`` (a pair: 1/2) it holds the plain sum of the values, in one pass, and the factor is
+        ``w``; otherwise the factor is 1.0 and the buffer is mixed. The caller must apply every
+        factor other than 1.0 -- ``buf.mul_(factor)``, or folded into its own update of the
+        buffer -- before the buffer is read as parameters or sent again. A pair's sum
+        ``x_i + x_j`` is the same floating-point number on both ranks, so as long as both
+        apply the factor the same way they keep identical values.
+        """
         if self._works:
             raise RuntimeError("mix_() before wait(): the round is still in flight")
         finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
+        factors = finish() if finish is not None else [1.0] * len(self._buffers)
         self._close()
+        return factors
 
     def discard(self) -> None:
         """Complete the exchange but drop its values (the parameters stay as they are)."""
@@ -129,6 +152,11 @@ class GossipHandle:
     def wait_and_mix_(self) -> None:
         self.wait()
         self.mix_()
+
+    def wait_and_mix_unscaled_(self) -> list[float]:
+        """:meth:`wait`, then :meth:`mix_unscaled_`; returns its factors (see there)."""
+        self.wait()
+        return self.mix_unscaled_()
 
 
 _DONE = GossipHandle([], None)
@@ -269,15 +297,22 @@ class Gossiper:
             return None
         return buf
 
-    def _handle(self, works: list, finish: Callable[[], None], step: int) -> GossipHandle:
+    def _handle(
+        self,
+        works: list,
+        finish: Callable[[], list[float]],
+        buffers: Sequence[Tensor],
+        step: int,
+    ) -> GossipHandle:
         self._in_flight = True  # the receive buffers hold this round until it is closed
 
         def close() -> None:
             self._in_flight = False
 
         return GossipHandle(
-            works, finish, round=step, rank=self.rank, timeout=self.timeout, on_close=close
-        )
+            works, finish, buffers=buffers, round=step, rank=self.rank, timeout=self.timeout,
+            on_close=close,
+        )  # fmt: skip
 
     def start(
         self, buffers: Sequence[Tensor], step: int, *, global_average: bool = False
@@ -315,11 +350,13 @@ class Gossiper:
             works.append((dist.all_reduce(dst, group=pg, async_op=True), None))
         scale = 1.0 / len(group)
 
-        def finish() -> None:
+        def finish() -> list[float]:
+            # scaling while copying back costs nothing extra: no factor is left to the caller
             for buf, total in zip(buffers, copies):
                 torch.mul(total, scale, out=buf)
+            return [1.0] * len(buffers)
 
-        return self._handle(works, finish, step)
+        return self._handle(works, finish, buffers, step)
 
     def _start_p2p(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
         weights = self.topology.weights(self.rank, step)
@@ -338,18 +375,21 @@ class Gossiper:
         works = list(zip(dist.batch_isend_irecv(ops), peers)) if ops else []
         own = weights.get(self.rank, 0.0)
         peer_weights = [weights[j] for j in sources]
+        uniform = own > 0 and all(w == own for w in peer_weights)
 
-        def finish() -> None:
+        def finish() -> list[float]:
             # only now, after every send of `buf` completed, may `buf` be overwritten
             for b, buf in enumerate(buffers):
-                if len(sources) == 1 and own == peer_weights[0]:
-                    buf.add_(received[0][b]).mul_(own)  # a pair: (x_i + x_j) * 1/2
+                if uniform:  # e.g. a pair: leave x_i + x_j, the caller applies the 1/2
+                    for slot in range(len(sources)):
+                        buf.add_(received[slot][b])
                     continue
                 buf.mul_(own)
                 for slot, w in enumerate(peer_weights):
                     buf.add_(received[slot][b], alpha=w)
+            return [own if uniform else 1.0] * len(buffers)
 
-        return self._handle(works, finish, step)
+        return self._handle(works, finish, buffers, step)
 
 
 def resolve_group(process_group: Any) -> tuple[Any, int]:

@@ -100,8 +100,11 @@ def accum_adam(
     eps=1e-8,
     weight_decay=0.0,
     decoupled=False,
+    amsgrad=False,
+    maximize=False,
 ) -> Tensor:
     b1, b2 = betas
+    g = -g if maximize else g
     if decoupled:
         x = x * (1 - lr * weight_decay)
     else:
@@ -110,6 +113,8 @@ def accum_adam(
     mbar, vbar = st.get("mbar", x), st.get("vbar", x)
     m = b1 * mbar + (1 - b1) * g
     v = b2 * vbar + (1 - b2) * g * g
+    if amsgrad:  # as in Adam: the denominator uses the largest second moment seen so far
+        v = st.tensors["vmax"] = torch.maximum(st.get("vmax", x), v)
     k = -(-t // s)  # ceil(t / s)
     new_x = x - lr * (m / (1 - b1**k)) / (torch.sqrt(v / (1 - b2**k)) + eps)
     acc = st.tensors["acc"] = st.get("acc", x) + g / s

@@ -1,20 +1,38 @@
-"""The bucket-wide fast path of DecentralizedAdam(W): same results as torch.optim, also across
-state_dict round trips, skipped gradients and changes of hyper-parameters."""
+"""The bucket-wide fast paths of every optimizer and the mix factor they fold into their update.
+
+World size 1: the same results as torch.optim (or, for AccumAdam with ``accum_iter > 1``, as the
+plain-Python reference), also across state_dict round trips, skipped gradients and changes of
+hyper-parameters. On gloo ranks: the same results as the dense simulation when the pair average's
+1/2 is applied inside the update, and both ranks of a pair keep bit-identical parameters.
+"""
 
 import pytest
 import torch
+from _harness import run_world
+from reference import RefState, Segment, simulate
+from reference import accum_adam as reference_accum_adam
 
 import decent_optim as dopt
+from decent_optim.optim import accum_adam as accum_adam_module
+from decent_optim.optim import dadam as dadam_module
+from decent_optim.optim import dsgd as dsgd_module
+from decent_optim.topologies import CustomTopology
+from decent_optim.topologies import get as get_topology
 
 SMALL = [(6, 5), (5,), (3, 4, 2), (1,), (7,)] * 4  # many small tensors: one flat kernel call
-LARGE = [(300, 250), (250,)]  # mean size above the flattening threshold: cached lists
+LARGE = [(400, 400), (400,)]  # mean size above the flattening threshold: cached lists
 
 
-def _pair(shapes, cls, torch_cls, **kw):
+def _pair(shapes, cls, torch_cls, torch_kw=None, **kw):
     gen = torch.Generator().manual_seed(0)
     mine = [torch.randn(s, generator=gen, dtype=torch.float64).requires_grad_() for s in shapes]
     theirs = [p.detach().clone().requires_grad_() for p in mine]
-    return mine, theirs, cls(mine, **kw), torch_cls(theirs, **kw)
+    return (
+        mine,
+        theirs,
+        cls(mine, **kw),
+        torch_cls(theirs, **(kw if torch_kw is None else torch_kw)),
+    )
 
 
 def _grads(mine, theirs, gen, skip=()):
@@ -26,30 +44,178 @@ def _grads(mine, theirs, gen, skip=()):
             y.grad = x.grad.clone()
 
 
-@pytest.mark.parametrize("shapes", [SMALL, LARGE], ids=["flat", "lists"])
-@pytest.mark.parametrize(
-    "cls, torch_cls, kw",
-    [
-        (dopt.DecentralizedAdamW, torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
-        (dopt.DecentralizedAdam, torch.optim.Adam, dict(lr=0.01, weight_decay=0.1, amsgrad=True)),
-        (dopt.DecentralizedAdam, torch.optim.Adam, dict(lr=0.02, maximize=True)),
-    ],
-)
-def test_fast_path_matches_torch(shapes, cls, torch_cls, kw):
-    mine, theirs, a, b = _pair(shapes, cls, torch_cls, **kw)
+def _run_against_torch(mine, theirs, a, b, steps=25, skip_at=None):
     gen = torch.Generator().manual_seed(1)
-    for t in range(25):
-        _grads(mine, theirs, gen)
+    for t in range(steps):
+        _grads(mine, theirs, gen, skip=(3,) if t == skip_at else ())
         if t == 12:  # hyper-parameters are read at every step
             for g in (*a.param_groups, *b.param_groups):
                 g["lr"] *= 0.5
         a.step()
         b.step()
+
+
+ADAM_CASES = [
+    (dopt.DecentralizedAdamW, torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+    (dopt.DecentralizedAdam, torch.optim.Adam, dict(lr=0.01, weight_decay=0.1, amsgrad=True)),
+    (dopt.DecentralizedAdam, torch.optim.Adam, dict(lr=0.02, maximize=True)),
+]
+
+
+@pytest.mark.parametrize("shapes", [SMALL, LARGE], ids=["flat", "lists"])
+@pytest.mark.parametrize("cls, torch_cls, kw", ADAM_CASES)
+def test_fast_path_matches_torch(shapes, cls, torch_cls, kw):
+    mine, theirs, a, b = _pair(shapes, cls, torch_cls, **kw)
+    _run_against_torch(mine, theirs, a, b)
     for x, y in zip(mine, theirs):
         # the same elementwise formula; only the vectorisation of the kernel may differ
         torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
         for key in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(a.state[x][key], b.state[y][key], rtol=0, atol=1e-12)
+
+
+SGD_CASES = [
+    dict(lr=0.05),
+    dict(lr=0.05, weight_decay=0.1, maximize=True),
+    dict(lr=0.05, momentum=0.9, weight_decay=0.01),
+    dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True),
+    dict(lr=0.05, momentum=0.5, dampening=0.3),
+]
+
+
+@pytest.mark.parametrize("shapes", [SMALL, LARGE], ids=["small", "large"])
+@pytest.mark.parametrize("kw", SGD_CASES, ids=str)
+@pytest.mark.parametrize("skip_at", [None, 5], ids=["all-grads", "skipped-grad"])
+def test_dsgd_fast_path_matches_torch(shapes, kw, skip_at):
+    mine, theirs, a, b = _pair(shapes, dopt.DSGD, torch.optim.SGD, **kw)
+    _run_against_torch(mine, theirs, a, b, skip_at=skip_at)
+    for x, y in zip(mine, theirs):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+        if kw.get("momentum"):
+            torch.testing.assert_close(
+                a.state[x]["momentum_buffer"], b.state[y]["momentum_buffer"], rtol=0, atol=1e-12
+            )
+
+
+ACCUM_ONE_CASES = [
+    (dopt.AccumAdam, torch.optim.Adam, dict(lr=0.01, weight_decay=0.1, amsgrad=True)),
+    (dopt.AccumAdamW, torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+    (dopt.AccumAdam, torch.optim.Adam, dict(lr=0.02, maximize=True)),
+]
+
+
+@pytest.mark.parametrize("shapes", [SMALL, LARGE], ids=["small", "large"])
+@pytest.mark.parametrize("cls, torch_cls, kw", ACCUM_ONE_CASES)
+def test_accum_adam_fast_path_with_accum_iter_one_matches_torch(shapes, cls, torch_cls, kw):
+    mine, theirs, a, b = _pair(shapes, cls, torch_cls, torch_kw=kw, accum_iter=1, **kw)
+    _run_against_torch(mine, theirs, a, b, skip_at=5)
+    for x, y in zip(mine, theirs):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(a.state[x][key], b.state[y][key], rtol=0, atol=1e-12)
+
+
+def _channels_last():
+    return [(2, 3, 4, 5), (7,), (3, 3, 2, 2)]  # 4-d: made channels_last by _accum_params
+
+
+def _accum_params(shapes):
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for s in shapes:
+        p = torch.randn(s, generator=gen, dtype=torch.float64)
+        if len(s) == 4:
+            p = p.to(memory_format=torch.channels_last)
+        out.append(p.requires_grad_())
+    return out
+
+
+ACCUM_CASES = [
+    (dopt.AccumAdam, dict(lr=0.01, weight_decay=0.1, accum_iter=3, amsgrad=True)),
+    (dopt.AccumAdamW, dict(lr=0.01, weight_decay=0.1, accum_iter=4)),
+    (dopt.AccumAdam, dict(lr=0.02, maximize=True, accum_iter=2)),
+]
+
+
+@pytest.mark.parametrize(
+    "shapes, grad_layout",
+    [
+        (SMALL, "param"),
+        (LARGE, "param"),
+        (_channels_last(), "param"),  # cut parameters read in memory order
+        (_channels_last(), "contiguous"),  # ... which these gradients do not allow
+    ],
+    ids=["small", "large", "channels-last", "channels-last-contiguous-grads"],
+)
+@pytest.mark.parametrize("cls, kw", ACCUM_CASES)
+def test_accum_adam_fast_path_matches_reference(shapes, grad_layout, cls, kw):
+    # each parameter against its own plain-Python AccumAdam (tests/reference.py), including a
+    # parameter that skips a step (its own step count falls behind) and a change of lr
+    params = _accum_params(shapes)
+    opt = cls(params, **kw)
+    hyper = {**kw, "decoupled": cls is dopt.AccumAdamW}
+    xs = [p.detach().clone().reshape(-1) for p in params]
+    refs = [RefState() for _ in params]
+    gen = torch.Generator().manual_seed(1)
+    for t in range(14):
+        if t == 8:
+            opt.param_groups[0]["lr"] *= 0.5
+            hyper["lr"] *= 0.5
+        for k, p in enumerate(params):
+            if t == 5 and k == 1:
+                p.grad = None
+                continue
+            g = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            p.grad = g.contiguous() if grad_layout == "contiguous" else torch.empty_like(p).copy_(g)
+            refs[k].steps += 1
+            xs[k] = reference_accum_adam(xs[k], g.reshape(-1), refs[k], **hyper)
+        opt.step()
+    for p, x, ref in zip(params, xs, refs):
+        torch.testing.assert_close(p.detach().reshape(-1), x, rtol=0, atol=1e-12)
+        state = opt.state[p]
+        assert int(state["step"]) == ref.steps
+        for key, name in (("exp_avg", "mbar"), ("exp_avg_sq", "vbar"), ("grad_acc", "acc")):
+            want = ref.tensors.get(name, torch.zeros_like(x))
+            torch.testing.assert_close(state[key].reshape(-1), want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "module, kernel, cls, kw",
+    [
+        (dadam_module, "adam_update_uniform_", dopt.DecentralizedAdamW, dict(lr=0.01)),
+        (dsgd_module, "sgd_update_", dopt.DSGD, dict(lr=0.01, momentum=0.9)),
+        (accum_adam_module, "accum_adam_step_", dopt.AccumAdamW, dict(lr=0.01, accum_iter=2)),
+    ],
+)
+def test_after_the_first_step_every_bucket_takes_the_fast_path(
+    monkeypatch, module, kernel, cls, kw
+):
+    calls = []
+    real = getattr(module, kernel)
+
+    def spy(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, kernel, spy)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen).requires_grad_() for s in SMALL]
+    opt = cls(params, **kw, bucket_cap_mb=100 * 4 / 2**20)  # a few buckets
+    buckets = len(opt._flat.buckets)
+    assert buckets > 1
+    for _ in range(3):  # the first step creates the state on the general path
+        calls.clear()
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    if kernel == "accum_adam_step_":  # one call per third of a bucket, on flat slices
+        assert 3 * buckets <= len(calls) <= 4 * buckets
+        assert all(p.dim() == 1 for p in calls)
+    elif cls is dopt.DSGD:  # one call per bucket, on its parameters' list
+        assert [len(p) for p in calls] == [len(b.params) for b in opt._flat.buckets]
+    else:  # flat: one call with one tensor per bucket
+        assert len(calls) == buckets
+        assert all(len(p) == 1 for p in calls)
 
 
 def test_step_counters_are_shared_after_the_first_step():
@@ -63,8 +229,17 @@ def test_step_counters_are_shared_after_the_first_step():
     assert all(s.item() == 3 for s in steps)
 
 
-def test_skipped_gradient_then_fast_again_matches_torch():
-    mine, theirs, a, b = _pair(SMALL, dopt.DecentralizedAdamW, torch.optim.AdamW, lr=0.01)
+@pytest.mark.parametrize(
+    "cls, kw, torch_cls",
+    [
+        (dopt.DecentralizedAdamW, dict(lr=0.01), torch.optim.AdamW),
+        (dopt.DSGD, dict(lr=0.01, momentum=0.9, nesterov=True), torch.optim.SGD),
+        (dopt.AccumAdam, dict(lr=0.01, accum_iter=1, weight_decay=0.1), torch.optim.Adam),
+    ],
+)
+def test_a_skipped_gradient_matches_torch(cls, kw, torch_cls):
+    torch_kw = {k: v for k, v in kw.items() if k != "accum_iter"}
+    mine, theirs, a, b = _pair(SMALL, cls, torch_cls, torch_kw=torch_kw, **kw)
     gen = torch.Generator().manual_seed(2)
     for t in range(15):
         _grads(mine, theirs, gen, skip=(3,) if t == 5 else ())
@@ -72,19 +247,28 @@ def test_skipped_gradient_then_fast_again_matches_torch():
         b.step()
     for x, y in zip(mine, theirs):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
-        assert a.state[x]["step"].item() == b.state[y]["step"].item()
+        if "step" in b.state[y]:
+            assert a.state[x]["step"].item() == b.state[y]["step"].item()
 
 
-def test_state_dict_round_trip_through_the_fast_path_is_exact():
+@pytest.mark.parametrize(
+    "cls, kw",
+    [
+        (dopt.DecentralizedAdamW, dict(lr=0.01)),
+        (dopt.DSGD, dict(lr=0.01, momentum=0.9)),
+        (dopt.AccumAdamW, dict(lr=0.01, accum_iter=4)),  # resumed in the middle of a window
+    ],
+)
+def test_state_dict_round_trip_through_the_fast_path_is_exact(cls, kw):
     def run(resume_at=None):
         gen = torch.Generator().manual_seed(0)
         params = [torch.randn(s, generator=gen).requires_grad_() for s in SMALL]
-        opt = dopt.DecentralizedAdamW(params, lr=0.01)
+        opt = cls(params, **kw)
         grads = torch.Generator().manual_seed(3)
-        for t in range(12):
+        for t in range(13):
             if t == resume_at:
                 saved = opt.state_dict()
-                opt = dopt.DecentralizedAdamW(params, lr=0.01)
+                opt = cls(params, **kw)
                 opt.load_state_dict(saved)
             for p in params:
                 p.grad = torch.randn(p.shape, generator=grads)
@@ -94,7 +278,8 @@ def test_state_dict_round_trip_through_the_fast_path_is_exact():
     (x, a), (y, b) = run(), run(resume_at=6)
     for p, q in zip(x, y):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
-        assert a.state[p]["step"].item() == b.state[q]["step"].item() == 12
+        for key, value in a.state[p].items():
+            torch.testing.assert_close(b.state[q][key], value, rtol=0, atol=0)
 
 
 def _idle_buffers(rank, world_size):
@@ -114,9 +299,7 @@ def _idle_buffers(rank, world_size):
 
 @pytest.mark.multiprocess
 def test_receive_buffers_are_lent_only_while_idle():
-    for before, during, after, wrong_shape, mixed in __import__("_harness").run_world(
-        _idle_buffers, 2
-    ):
+    for before, during, after, wrong_shape, mixed in run_world(_idle_buffers, 2):
         assert (before, during, after, wrong_shape) == (True, True, True, True)
         assert mixed == [0.5] * 6
 
@@ -138,7 +321,7 @@ def _train_two_ranks(rank, world_size):
 
 @pytest.mark.multiprocess
 def test_flat_path_on_two_ranks_matches_a_dense_simulation():
-    got = __import__("_harness").run_world(_train_two_ranks, 2)
+    got = run_world(_train_two_ranks, 2)
     # dense reference: each rank's own AdamW on the mixed values (ring of 2: W = [[.5,.5],[.5,.5]])
     gen = torch.Generator().manual_seed(0)
     x0 = torch.cat([torch.randn(s, generator=gen, dtype=torch.float64).reshape(-1) for s in SMALL])
@@ -157,3 +340,151 @@ def test_flat_path_on_two_ranks_matches_a_dense_simulation():
         final = (xs[0] + xs[1]) / 2
     for g in got:
         torch.testing.assert_close(g, final)
+
+
+# -- the mix factor on gloo ranks -----------------------------------------------------------------
+
+
+def _case(cls, kind, **kwargs):
+    """(class, kwargs, reference kind, reference hyper-parameters) of one configuration."""
+    hyper = {k: float(v) if k == "lr" else v for k, v in kwargs.items()}
+    if cls in (dopt.DecentralizedAdamW, dopt.AccumAdamW):
+        hyper["decoupled"] = True
+    return cls, kwargs, kind, hyper
+
+
+# Which of them fold the pair's 1/2 into the update: DSGD without momentum, Adam without weight
+# decay, AdamW, AccumAdam(W) likewise; the others (momentum, L2 decay, a tensor lr) multiply first.
+FACTOR_CASES = {
+    "DSGD": _case(dopt.DSGD, "sgd", lr=0.05, weight_decay=0.01),
+    "DSGD-momentum": _case(dopt.DSGD, "sgd", lr=0.05, momentum=0.9, nesterov=True),
+    "DecentralizedAdam": _case(dopt.DecentralizedAdam, "adam", lr=0.05, maximize=True),
+    "DecentralizedAdamW": _case(
+        dopt.DecentralizedAdamW, "adam", lr=0.05, weight_decay=0.1, amsgrad=True
+    ),
+    "DecentralizedAdamW-tensor-lr": _case(
+        dopt.DecentralizedAdamW,
+        "adam",
+        lr=torch.tensor(0.05, dtype=torch.float64),
+        weight_decay=0.1,
+    ),
+    "AccumAdam": _case(dopt.AccumAdam, "accum_adam", lr=0.05, accum_iter=3),
+    "AccumAdam-L2": _case(dopt.AccumAdam, "accum_adam", lr=0.05, accum_iter=2, weight_decay=0.05),
+    "AccumAdamW": _case(dopt.AccumAdamW, "accum_adam", lr=0.05, accum_iter=2, weight_decay=0.1),
+}
+FACTOR_STEPS = 10
+#: a path 0 - 1 - 2 with Metropolis weights: rank 1 weighs all three equally (a sum and a factor
+#: of 1/3 left to the update), ranks 0 and 2 do not (mixed at once)
+PATH3 = [[2 / 3, 1 / 3, 0], [1 / 3, 1 / 3, 1 / 3], [0, 1 / 3, 2 / 3]]
+
+
+def _factor_topology(name, n):
+    return CustomTopology([PATH3]) if name == "path" else get_topology(name, n)
+
+
+def _factor_shapes():
+    return SMALL + [(300, 250)]  # a bucket of small tensors (flat) and one large (lists)
+
+
+def _factor_targets(n, d):
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(n, d, generator=gen, dtype=torch.float64) * 3
+
+
+def _train_factor(rank, world_size, topology):
+    # every case in one world: rank i minimises 1/2 ||x - b_i||^2 (gradient x - b_i)
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.cat(
+        [torch.randn(s, generator=gen, dtype=torch.float64).reshape(-1) for s in _factor_shapes()]
+    )
+    target = _factor_targets(world_size, x0.numel())[rank]
+    out = {}
+    for name, (cls, kwargs, *_) in FACTOR_CASES.items():
+        params, offset = [], 0
+        for s in _factor_shapes():
+            n = torch.Size(s).numel()
+            params.append(x0[offset : offset + n].view(s).clone().requires_grad_())
+            offset += n
+        opt = cls(
+            params, **kwargs, topology=_factor_topology(topology, world_size),
+            bucket_cap_mb=2000 * 8 / 2**20,
+        )  # fmt: skip
+        for _ in range(FACTOR_STEPS):
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            offset = 0
+            for p in params:
+                p.grad = (flat - target)[offset : offset + p.numel()].view(p.shape).clone()
+                offset += p.numel()
+            opt.step()
+        out[name] = torch.cat([p.detach().reshape(-1) for p in params])
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "topology, n",
+    [("ring", 2), ("one-peer-exp", 4), ("ring", 3), ("complete", 3), ("path", 3)],
+    ids=str,
+)
+def test_mix_factor_applied_in_the_update_matches_dense_reference(topology, n):
+    got = run_world(_train_factor, n, topology)
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.cat(
+        [torch.randn(s, generator=gen, dtype=torch.float64).reshape(-1) for s in _factor_shapes()]
+    )
+    targets = _factor_targets(n, x0.numel())
+    mixing = _factor_topology(topology, n).mixing_matrix
+    for name, (_, _, kind, hyper) in FACTOR_CASES.items():
+        want = simulate(
+            kind, mixing, x0.repeat(n, 1), lambda x, t: x - targets,
+            [Segment(0, x0.numel(), hyper)], FACTOR_STEPS,
+        )  # fmt: skip
+        assert not torch.allclose(want[0], want[1]), (
+            "ranks should differ: the test would be vacuous"
+        )
+        torch.testing.assert_close(
+            torch.stack([g[name] for g in got]), want, rtol=0, atol=1e-10, msg=name
+        )
+
+
+def _pair_symmetry(rank, world_size):
+    # both ranks get the same gradients, but start from different values (set after the start-up
+    # broadcast, as a user may): after the first mix their parameters must agree bit for bit
+    gen = torch.Generator().manual_seed(0)
+    shapes = _factor_shapes()
+    out = {}
+    for name, (cls, kwargs, *_) in FACTOR_CASES.items():
+        if name == "AccumAdam-L2":
+            continue  # L2 decay makes the gradient, and so the state, depend on the values
+        params = [
+            torch.randn(s, generator=gen, dtype=torch.float32).requires_grad_() for s in shapes
+        ]
+        opt = cls(params, **kwargs, topology="ring")
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)))
+        same, differ_first = [], None
+        for t in range(6):
+            grads = torch.Generator().manual_seed(100 + t)  # the same on both ranks
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=grads)
+            opt.step()
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            everyone = [torch.empty_like(flat) for _ in range(world_size)]
+            torch.distributed.all_gather(everyone, flat)
+            if t == 0:
+                differ_first = not torch.equal(everyone[0], everyone[1])
+            else:
+                same.append(torch.equal(everyone[0], everyone[1]))
+        out[name] = (differ_first, same)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_pair_keeps_bit_identical_parameters_given_identical_gradients():
+    results = run_world(_pair_symmetry, 2)
+    assert results[0] == results[1]
+    assert len(results[0]) >= 6
+    for name, (differ_first, same) in results[0].items():
+        assert differ_first, f"{name}: the ranks should start apart (the test would be vacuous)"
+        assert all(same), f"{name}: a pair's mixed parameters differ between its ranks: {same}"

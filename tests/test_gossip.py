@@ -196,3 +196,39 @@ def test_gossiper_follows_changing_buffer_sizes():
     for per_rank in got:
         for buf in per_rank:
             torch.testing.assert_close(buf, torch.full_like(buf, 0.5))
+
+
+def _unscaled_round(rank, world_size, schedule, transport, t):
+    topo = CustomTopology(schedule) if schedule is not None else get_topology("ring", world_size)
+    gossip = Gossiper(topo, transport=transport)
+    bufs = [_distinct_values(rank, 6), _distinct_values(rank + 10, 3).float()]
+    factors = gossip.start(bufs, t).wait_and_mix_unscaled_()
+    return factors, [b.clone() for b in bufs]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "schedule, transport, t",
+    [(METROPOLIS, "p2p", 0), (METROPOLIS, "p2p", 1), (None, "p2p", 0), (None, "allreduce", 1)],
+    ids=["custom-round0", "custom-round1", "ring-pairs", "ring-allreduce"],
+)
+def test_unscaled_mix_leaves_the_sum_and_the_equal_weight(schedule, transport, t):
+    # where a rank weighs all its sources equally, p2p leaves their plain sum and returns the
+    # weight; otherwise (and after an all-reduce, which scales while copying) the factor is 1
+    n = 4
+    got = run_world(_unscaled_round, n, schedule, transport, t)
+    topo = CustomTopology(schedule) if schedule is not None else get_topology("ring", n)
+    w = topo.mixing_matrix(t)
+    for rank, (factors, bufs) in enumerate(got):
+        weights = {float(v) for v in w[rank] if v > 0}
+        equal = transport == "p2p" and len(weights) == 1
+        assert factors == [weights.pop() if equal else 1.0] * 2, (rank, factors)
+        for b, seed_shift in enumerate([0, 10]):
+            x = torch.stack(
+                [_distinct_values(r + seed_shift, 6 if b == 0 else 3) for r in range(n)]
+            )
+            if b == 1:
+                x = x.float().double()
+            torch.testing.assert_close(
+                bufs[b].double() * factors[b], (w @ x)[rank], rtol=1e-6, atol=1e-6
+            )

@@ -10,7 +10,7 @@ import contextlib
 import datetime
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -33,6 +33,7 @@ from decent_optim.gossip import (
     comm_device,
     resolve_group,
 )
+from decent_optim.optim._fast import FastBucket
 from decent_optim.topologies import Topology
 
 __all__ = ["DecentralizedOptimizer"]
@@ -49,6 +50,12 @@ class DecentralizedOptimizer(Optimizer):
        gradient computed at the unmixed ones;
     3. launch round ``t + 1`` with the new parameters, to travel during the next forward and
        backward.
+
+    Steps 1 and 2 share a pass over the memory where they can: a round of equal weights (a
+    pair's 1/2) leaves the sum :math:`\sum_j x_j` in the buffer, and the update applies the
+    weight as part of its kernel (see :meth:`_update_bucket_fast`; the general path multiplies
+    first). After the first step a bucket whose parameters all have gradients is updated by
+    cached whole-bucket kernel calls, without per-parameter Python work.
 
     Round 0 would mix the identical start values broadcast from rank 0, so the first step has
     nothing to wait for. Every rank launches exactly one round per step, whatever happens
@@ -129,6 +136,7 @@ class DecentralizedOptimizer(Optimizer):
         self._relaunch = False  # a loaded checkpoint had round `_rounds` in flight
         self._rounds = 0  # completed steps; the next step waits on round `_rounds`
         self._flat_state: dict[tuple[int, str], tuple[Tensor, list[Tensor]]] = {}
+        self._fast: dict[int, FastBucket] = {}  # bucket index -> its cached fast-path lists
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -226,16 +234,32 @@ class DecentralizedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_step_inputs()
+        grads = self._check_step_inputs()
         self._stash = None  # training has begun from the broadcast values
-        self.synchronize()
+        self._launch_resumed_round()
+        handle, self._pending = self._pending, None
+        # the mix, except for a factor per bucket that the update applies (see _update_bucket_fast)
+        factors = handle.wait_and_mix_unscaled_() if handle is not None else None
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step
         found_inf = getattr(self, "found_inf", None)
+        # the fast path caches Python lists, so tracing (torch.compile) takes the general one
+        fast = grad_scale is None and found_inf is None and not torch.compiler.is_compiling()
         for index, bucket in enumerate(self._flat.buckets):
             group = self.param_groups[bucket.group_index]
-            if self._update_bucket_fast(index, bucket, group):
-                continue
-            with_grad = [k for k, p in enumerate(bucket.params) if p.grad is not None]
+            factor = 1.0 if factors is None else factors[index]
+            bucket_grads = grads[index]
+            if fast and all(g is not None for g in bucket_grads):
+                cached = self._fast_bucket(index, bucket, group)
+                if cached is not None and self._update_bucket_fast(
+                    cached, cast(list[Tensor], bucket_grads), factor
+                ):
+                    continue
+            # the general path may leave the state in a shape the cached lists do not expect
+            # (e.g. parameters at different steps): rebuild them when the fast path next runs
+            self._fast.pop(index, None)
+            if factor != 1.0:
+                bucket.data.mul_(factor)  # finish the mix first, also for params without grads
+            with_grad = [k for k, g in enumerate(bucket_grads) if g is not None]
             if with_grad:
                 state = self._bucket_state(index, bucket, group, with_grad)
                 self._update(group, state, grad_scale=grad_scale, found_inf=found_inf)
@@ -274,6 +298,7 @@ class DecentralizedOptimizer(Optimizer):
         if self._pending is not None:
             self._pending.discard()  # the round of the old trajectory: finish it, drop it
             self._pending = None
+        self._fast.clear()  # the cached lists point at the state being replaced
         state_dict = dict(state_dict)
         extra = state_dict.pop("decent_optim", None)
         super().load_state_dict(state_dict)
@@ -303,9 +328,38 @@ class DecentralizedOptimizer(Optimizer):
     ) -> None:
         raise NotImplementedError
 
-    def _update_bucket_fast(self, index: int, bucket: Bucket, group: dict[str, Any]) -> bool:
-        """Optional fast path for a whole bucket; True when it did the bucket's update."""
+    def _update_bucket_fast(self, fast: FastBucket, grads: list[Tensor], factor: float) -> bool:
+        """Optional fast path for a whole bucket; True when it did the bucket's update.
+
+        Called only when every parameter of the bucket has a gradient (``grads``), outside
+        ``GradScaler`` and tracing, and once the bucket's state is ready for ``fast`` (built as
+        the class attributes ``_fast_*`` say). The bucket holds the mixed parameters divided by
+        ``factor`` (see :meth:`GossipHandle.mix_unscaled_
+        <decent_optim.gossip.GossipHandle.mix_unscaled_>`): a fast path that returns True must
+        have applied it (:meth:`FastBucket.take_factor`). One that returns False must not have
+        changed anything; the general path then applies the factor and updates the bucket.
+        """
         return False
+
+    #: how :meth:`_fast_bucket` builds a bucket's cache: with one shared step counter (on the
+    #: bucket's device, or on ``_fast_step_device``), and on the flat buffers for small tensors
+    _fast_counted = False
+    _fast_step_device: torch.device | None = None
+    _fast_flatten = True
+
+    def _fast_bucket(self, index: int, bucket: Bucket, group: dict[str, Any]) -> FastBucket | None:
+        """The cached :class:`FastBucket` of bucket ``index``, built on first use; None while
+        the state is not ready for it (see :meth:`FastBucket.build`)."""
+        fast = self._fast.get(index)
+        if fast is None or fast.key != self._flat_state_keys(group):
+            fast = FastBucket.build(
+                self, index, bucket, group, counted=self._fast_counted,
+                step_device=self._fast_step_device, flatten=self._fast_flatten,
+            )  # fmt: skip
+            if fast is None:
+                return None
+            self._fast[index] = fast
+        return fast
 
     def _init_state(self, group: dict[str, Any], state: dict[str, Any], p: Tensor) -> None:
         """Per-parameter state beside the flat buffers (e.g. a ``step`` counter); default none."""
@@ -325,18 +379,15 @@ class DecentralizedOptimizer(Optimizer):
             self._relaunch = False
             self._pending = self._start_round()
 
-    def _check_step_inputs(self) -> None:
-        any_grad = False
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                any_grad = True
-                if p.grad.is_sparse:
-                    raise RuntimeError(
-                        f"{type(self).__name__} does not support sparse gradients; use dense "
-                        "gradients (e.g. nn.Embedding(sparse=False))"
-                    )
+    def _check_step_inputs(self) -> list[list[Tensor | None]]:
+        """Each bucket's gradients (None where a parameter has none), once they passed the checks."""
+        grads = [[p.grad for p in b.params] for b in self._flat.buckets]
+        present = [g for bucket in grads for g in bucket if g is not None]
+        if any(g.is_sparse for g in present):
+            raise RuntimeError(
+                f"{type(self).__name__} does not support sparse gradients; use dense "
+                "gradients (e.g. nn.Embedding(sparse=False))"
+            )
         for p in self._frozen:
             if p.grad is not None:
                 raise RuntimeError(
@@ -344,12 +395,13 @@ class DecentralizedOptimizer(Optimizer):
                     f"{type(self).__name__} was built, so it is not gossiped, but it now has a "
                     "gradient; unfreeze parameters before building the optimizer"
                 )
-        if not any_grad and self._rounds == 0 and not self.state:
+        if not present and self._rounds == 0 and not self.state:
             raise RuntimeError(
                 "step() was called before any backward(): no parameter has a gradient. Call "
                 "loss.backward() first (every rank must then call step() once per iteration)"
             )
         self._flat.check_aliasing()
+        return grads
 
     def _flat_buffer(self, index: int, bucket: Bucket, key: str) -> tuple[Tensor, list[Tensor]]:
         """State ``key`` of bucket ``index``: one flat buffer and its per-parameter views."""

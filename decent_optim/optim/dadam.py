@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -17,9 +17,8 @@ from decent_optim._validation import (
     check_unsupported,
     check_weight_decay,
 )
-from decent_optim.flat import Bucket
-from decent_optim.gossip import Gossiper, LocalGossiper
 from decent_optim.optim._base import DecentralizedOptimizer, _BucketState
+from decent_optim.optim._fast import FastBucket
 from decent_optim.topologies import Topology
 
 __all__ = ["DecentralizedAdam", "DecentralizedAdamW"]
@@ -97,37 +96,25 @@ class DecentralizedAdam(DecentralizedOptimizer):
             bucket_cap_mb=bucket_cap_mb, local_world_size=local_world_size, timeout=timeout,
             global_avg_every=global_avg_every,
         )  # fmt: skip
-        self._fast: dict[int, _FastBucket] = {}  # bucket index -> its cached update lists
 
-    def _update_bucket_fast(self, index: int, bucket: Bucket, group: dict[str, Any]) -> bool:
-        # After the first step, when every parameter of the bucket has a gradient and all are at
-        # the same step, the update is one kernel call on cached lists (or on the flat buffers)
-        # and one increment of a shared step vector: no per-parameter state lookups.
-        if (
-            getattr(self, "grad_scale", None) is not None  # set by torch's GradScaler.step
-            or getattr(self, "found_inf", None) is not None
-            or torch.compiler.is_compiling()  # cached Python lists: leave tracing to the general path
-        ):
-            return False
-        maybe_grads = [p.grad for p in bucket.params]
-        if any(g is None for g in maybe_grads):
-            self._fast.pop(index, None)  # these parameters skip a step: counts will differ
-            return False
-        grads = cast(list[Tensor], maybe_grads)
-        fast = self._fast.get(index)
-        if fast is None or not fast.valid(self.state, bucket.params, group["amsgrad"]):
-            fast = self._fast[index] = _FastBucket.build(self, index, bucket, group)
-        if not fast.uniform:
-            return False
-        if fast.flat:
-            torch._foreach_copy_(fast.grad_buffer(self._gossip, index, bucket), grads)
-            grads = [cast(Tensor, fast.flat_grad)]  # set by grad_buffer
-        beta1, beta2 = group["betas"]
+    _fast_counted = True  # one step counter per bucket, on the bucket's device
+
+    def _update_bucket_fast(self, fast: FastBucket, grads: list[Tensor], factor: float) -> bool:
+        # After the first step, with the parameters all at the same step: one kernel call on
+        # cached lists (or on the flat buffers) and one increment of a shared step vector. The
+        # mix's pending factor joins the decoupled decay of the AdamW kernel (Adam without weight
+        # decay is AdamW without it), so mixing and updating read and write the bucket once.
+        group = self.param_groups[fast.bucket.group_index]
+        decoupled = group.get("decoupled_weight_decay", self._decoupled)
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        weight_decay, folded = fast.take_factor(
+            factor, lr, group["weight_decay"], foldable=decoupled or not group["weight_decay"]
+        )
         adam_update_uniform_(
-            fast.params, grads, fast.exp_avgs, fast.exp_avg_sqs, fast.max_exp_avg_sqs,
-            fast.step_counts, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
-            maximize=group["maximize"], decoupled=group.get("decoupled_weight_decay", self._decoupled),
+            fast.params, fast.grads(self._gossip, grads), fast.state["exp_avg"],
+            fast.state["exp_avg_sq"], fast.state.get("max_exp_avg_sq", []), fast.step_counts,
+            lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=weight_decay,
+            amsgrad=group["amsgrad"], maximize=group["maximize"], decoupled=decoupled or folded,
         )  # fmt: skip
         return True
 
@@ -163,92 +150,6 @@ class DecentralizedAdam(DecentralizedOptimizer):
         # state_dict's own tensor, which the kernel would otherwise increment in place.
         if isinstance(state.get("step"), Tensor):
             state["step"] = state["step"].to(dtype=torch.float32, device=p.device, copy=True)
-
-
-#: On CPUs, torch's fused Adam costs tens of microseconds per tensor on top of the memory
-#: traffic; below this mean tensor size (elements) copying the gradients into one flat buffer and
-#: running the kernel once on the whole bucket is faster. GPUs batch tensors in one launch.
-_FLATTEN_BELOW_NUMEL = 1 << 16
-
-
-class _FastBucket:
-    """The lists one Adam update of a bucket needs, built once; see ``_update_bucket_fast``.
-
-    ``uniform`` is False when the parameters are at different steps (some skipped steps); then
-    the general path runs. The per-parameter ``state["step"]`` tensors are re-pointed to entries
-    of ``step_counts`` so that one addition advances them all; ``valid`` notices when the state
-    was replaced since (e.g. by ``load_state_dict``).
-    """
-
-    amsgrad: bool
-    exp_avg_sqs: list[Tensor]
-    exp_avgs: list[Tensor]
-    flat: bool
-    flat_grad: Tensor | None
-    grad_views: list[Tensor]
-    max_exp_avg_sqs: list[Tensor]
-    own_grad: Tensor | None
-    params: list[Tensor]
-    step_counts: Tensor
-    step_views: list[Any]
-    uniform: bool
-
-    def grad_buffer(
-        self, gossip: Gossiper | LocalGossiper, index: int, bucket: Bucket
-    ) -> list[Tensor]:
-        """Per-parameter views of a flat buffer for the gradients; returns the views.
-
-        The buffer is the gossip's idle receive buffer of this bucket when there is one (free
-        between mixing and the next launch), so the flat update costs no extra memory.
-        """
-        buf = gossip.idle_buffer(index, bucket.data)
-        if buf is None:
-            if self.own_grad is None:
-                self.own_grad = torch.empty_like(bucket.data)
-            buf = self.own_grad
-        if buf is not self.flat_grad:
-            self.flat_grad, self.grad_views = buf, bucket.views(buf)
-        return self.grad_views
-
-    def valid(self, state: Any, params: list[Tensor], amsgrad: bool) -> bool:
-        return amsgrad == self.amsgrad and all(
-            state[p].get("step") is s for p, s in zip(params, self.step_views)
-        )
-
-    @classmethod
-    def build(cls, opt: DecentralizedAdam, index: int, bucket: Bucket, group: dict) -> _FastBucket:
-        self = cls()
-        self.amsgrad = group["amsgrad"]
-        self.uniform = False
-        states = [opt.state[p] for p in bucket.params]
-        self.step_views = [st.get("step") for st in states]
-        keys = opt._flat_state_keys(group)
-        views = {key: opt._flat_views(index, bucket, key) for key in keys}
-        steps = self.step_views
-        if any(not isinstance(s, Tensor) or s.device != bucket.device for s in steps) or any(
-            st.get(k) is not v for k in keys for st, v in zip(states, views[k])
-        ):
-            return self  # state not created yet (first step) or not in the flat buffers
-        counts = torch.stack([s.detach().reshape(()).to(torch.float32) for s in steps])
-        if not bool((counts == counts[0]).all()):
-            return self
-        self.step_counts = counts
-        self.step_views = [counts[k] for k in range(len(states))]
-        for st, s in zip(states, self.step_views):
-            st["step"] = s
-        if bucket.device.type == "cpu" and bucket.numel < _FLATTEN_BELOW_NUMEL * len(bucket.params):
-            flat = {k: opt._flat_buffer(index, bucket, k)[0] for k in keys}
-            self.params = [bucket.data]
-            self.exp_avgs, self.exp_avg_sqs = [flat["exp_avg"]], [flat["exp_avg_sq"]]
-            self.max_exp_avg_sqs = [flat["max_exp_avg_sq"]] if self.amsgrad else []
-            self.flat, self.flat_grad, self.own_grad = True, None, None
-        else:
-            self.params = list(bucket.params)
-            self.exp_avgs, self.exp_avg_sqs = views["exp_avg"], views["exp_avg_sq"]
-            self.max_exp_avg_sqs = views["max_exp_avg_sq"] if self.amsgrad else []
-            self.flat = False
-        self.uniform = True
-        return self
 
 
 class DecentralizedAdamW(DecentralizedAdam):

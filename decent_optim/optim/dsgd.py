@@ -11,6 +11,7 @@ from torch import Tensor
 from decent_optim._kernels import sgd_update_
 from decent_optim._validation import check_lr, check_momentum, check_unsupported, check_weight_decay
 from decent_optim.optim._base import DecentralizedOptimizer, _BucketState
+from decent_optim.optim._fast import FastBucket
 from decent_optim.topologies import Topology
 
 __all__ = ["DSGD"]
@@ -87,6 +88,26 @@ class DSGD(DecentralizedOptimizer):
 
     def _flat_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] else ()
+
+    # torch's fused SGD costs only a few microseconds per tensor on CPUs, about what copying
+    # the gradients into a flat buffer costs (measured: 600 tensors, 2.5M parameters, 2 cores:
+    # 3.5 ms on the lists, 4.3 ms flat), so the kernel always runs on the per-parameter lists
+    _fast_flatten = False
+
+    def _update_bucket_fast(self, fast: FastBucket, grads: list[Tensor], factor: float) -> bool:
+        # Once every parameter has its momentum buffer in the flat buffers (from the second step;
+        # at once without momentum): one fused SGD call on the cached per-parameter lists.
+        # Without momentum the mix's pending factor folds into the L2 decay, because then
+        # p - lr (g + w p) = (1 - lr w) p - lr g; with momentum, w p would enter the buffer.
+        group = self.param_groups[fast.bucket.group_index]
+        momentum, lr = group["momentum"], group["lr"]
+        weight_decay, _ = fast.take_factor(factor, lr, group["weight_decay"], foldable=not momentum)
+        sgd_update_(
+            fast.params, fast.grads(self._gossip, grads), fast.state.get("momentum_buffer", []),
+            lr=lr, momentum=momentum, dampening=group["dampening"], weight_decay=weight_decay,
+            nesterov=group["nesterov"], maximize=group["maximize"], first_step=False,
+        )  # fmt: skip
+        return True
 
     def _update(
         self,
