@@ -61,6 +61,15 @@ def sgd(
     return x - lr * g
 
 
+def _decay(x: Tensor, g: Tensor, lr, weight_decay, decoupled, maximize) -> tuple[Tensor, Tensor]:
+    """Adam's and AccumAdam's first step: negate for ``maximize``, then decoupled decay shrinks
+    ``x`` (AdamW) or L2 decay adds ``weight_decay * x`` to the gradient (Adam)."""
+    g = -g if maximize else g
+    if decoupled:
+        return x * (1 - lr * weight_decay), g
+    return x, g + weight_decay * x
+
+
 def adam(
     x: Tensor,
     g: Tensor,
@@ -75,11 +84,7 @@ def adam(
     maximize=False,
 ) -> Tensor:
     b1, b2 = betas
-    g = -g if maximize else g
-    if decoupled:
-        x = x * (1 - lr * weight_decay)
-    else:
-        g = g + weight_decay * x
+    x, g = _decay(x, g, lr, weight_decay, decoupled, maximize)
     t = st.steps
     m = st.tensors["m"] = b1 * st.get("m", x) + (1 - b1) * g
     v = st.tensors["v"] = b2 * st.get("v", x) + (1 - b2) * g * g
@@ -104,11 +109,7 @@ def accum_adam(
     maximize=False,
 ) -> Tensor:
     b1, b2 = betas
-    g = -g if maximize else g
-    if decoupled:
-        x = x * (1 - lr * weight_decay)
-    else:
-        g = g + weight_decay * x
+    x, g = _decay(x, g, lr, weight_decay, decoupled, maximize)
     t, s = st.steps, accum_iter
     mbar, vbar = st.get("mbar", x), st.get("vbar", x)
     m = b1 * mbar + (1 - b1) * g
