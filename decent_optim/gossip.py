@@ -363,14 +363,19 @@ class Gossiper:
         sources = self.topology.in_peers(self.rank, step)
         received = [self._buffers(slot, buffers) for slot in range(len(sources))]
         ops, peers = [], []
-        for b, buf in enumerate(buffers):
-            for peer in self.topology.out_peers(self.rank, step):
-                ops.append(dist.P2POp(dist.isend, buf, self._global[peer], self.group, tag=b))
-                peers.append(peer)
+        # every receive before any send: gloo moves a buffer only after the peer's "ready to
+        # receive" notice arrived, and notices travel behind data on the same TCP stream. A rank
+        # that reaches the round after its peer would otherwise queue its whole buffer ahead of
+        # its own notice, and the two directions would cross the link one after the other
+        for b in range(len(buffers)):
             for slot, peer in enumerate(sources):
                 ops.append(
                     dist.P2POp(dist.irecv, received[slot][b], self._global[peer], self.group, tag=b)
                 )
+                peers.append(peer)
+        for b, buf in enumerate(buffers):
+            for peer in self.topology.out_peers(self.rank, step):
+                ops.append(dist.P2POp(dist.isend, buf, self._global[peer], self.group, tag=b))
                 peers.append(peer)
         works = list(zip(dist.batch_isend_irecv(ops), peers)) if ops else []
         own = weights.get(self.rank, 0.0)

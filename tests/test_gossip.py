@@ -232,3 +232,37 @@ def test_unscaled_mix_leaves_the_sum_and_the_equal_weight(schedule, transport, t
             torch.testing.assert_close(
                 bufs[b].double() * factors[b], (w @ x)[rank], rtol=1e-6, atol=1e-6
             )
+
+
+def _posting_order(rank, world_size):
+    gossip = Gossiper(CustomTopology(METROPOLIS))
+    posted = []
+    original = dist.batch_isend_irecv
+
+    def record(ops):
+        posted.append(["recv" if op.op is dist.irecv else "send" for op in ops])
+        return original(ops)
+
+    dist.batch_isend_irecv = record
+    try:
+        for t in range(2):
+            bufs = [_distinct_values(rank, 6), _distinct_values(rank, 4)]
+            gossip.start(bufs, t).wait_and_mix_()
+    finally:
+        dist.batch_isend_irecv = original
+    return posted
+
+
+@pytest.mark.multiprocess
+def test_every_receive_is_posted_before_any_send():
+    # gloo's transfers are rendezvous: a send moves data once the peer's "ready to receive"
+    # notice arrived, and notices share the TCP stream with data. A rank that posted a send
+    # first, to a peer already waiting, queued its whole buffer ahead of its own notice, so its
+    # peer could not start sending back until that buffer had crossed the link: the round took
+    # two transfer times instead of one on a slow link (ring, 100 Mbit: 1038 -> 732 ms/iter)
+    for per_rank in run_world(_posting_order, 4):
+        assert per_rank, "no point-to-point round was posted"
+        for kinds in per_rank:
+            assert "send" in kinds and "recv" in kinds, kinds
+            first_send = kinds.index("send")
+            assert "recv" not in kinds[first_send:], kinds
