@@ -4,7 +4,8 @@
 
 For each topology and buffer size, every transport that can carry it runs ``--rounds`` rounds
 (``start`` then ``wait_and_mix_``, back to back, no compute to hide behind) after a warm-up;
-rank 0 prints the median time per round. ``auto`` is what the optimizers use.
+rank 0 prints, per transport, the median time of each round of the topology's period (slowest
+rank), averaged over the period. ``auto`` is what the optimizers use.
 
 Every round starts from a barrier, so by default the ranks arrive together. In training they do
 not: ``--skew-ms S`` makes the upper half of the ranks (under ``emulate-cluster`` with 2 nodes:
