@@ -29,10 +29,18 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from decent_optim import runtime, topologies
 from decent_optim.gossip import Gossiper
+from decent_optim.gossip.collectives import (
+    all_reduce_,
+    barrier,
+    gather_floats,
+    group_info,
+    init_from_environment,
+    shutdown,
+    slowest,
+)
 
 __all__ = ["main", "measure"]
 
@@ -40,20 +48,6 @@ __all__ = ["main", "measure"]
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _slowest(seconds: float, device: torch.device) -> float:
-    """The largest value over the ranks (an operation ends when its slowest rank is done)."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _gather(values: list[float], device: torch.device) -> list[float]:
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return [float(v) for t in everyone for v in t.tolist()]
 
 
 def _synthetic_model(
@@ -118,13 +112,13 @@ def _allreduce_time(numel: int, reps: int, device: torch.device, dtype: torch.dt
     buf = torch.zeros(numel, device=device, dtype=dtype)
     samples = []
     for it in range(reps + 1):
-        dist.barrier()
+        barrier()
         _sync(device)
         t0 = time.perf_counter()
-        dist.all_reduce(buf)
+        all_reduce_(buf)
         _sync(device)
         if it:
-            samples.append(_slowest(time.perf_counter() - t0, device))
+            samples.append(slowest(time.perf_counter() - t0, device))
     return statistics.median(samples)
 
 
@@ -137,13 +131,13 @@ def _gossip_round_times(
     for r in range(topo.period):
         samples = []
         for rep in range(reps + 1):
-            dist.barrier()
+            barrier()
             _sync(device)
             t0 = time.perf_counter()
             gossip.start(buffers, r + rep * topo.period).wait_and_mix_()
             _sync(device)
             if rep:
-                samples.append(_slowest(time.perf_counter() - t0, device))
+                samples.append(slowest(time.perf_counter() - t0, device))
         times.append(statistics.median(samples))
     return times
 
@@ -151,7 +145,7 @@ def _gossip_round_times(
 def measure(args: argparse.Namespace, device: torch.device) -> dict:
     """Everything the runtime model needs, measured on this world; the same dict on every rank."""
     dtype = getattr(torch, args.dtype)
-    n = dist.get_world_size()
+    _, n, backend = group_info()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     weights, width = _synthetic_model(int(args.params), args.layers, device, dtype)
     numel = sum(w.numel() for w in weights)
@@ -160,15 +154,15 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         fwd_share = 1 / 3
     else:
         total, forward = _compute_times(weights, args.batch, args.iters, device)
-        everyone, everyone_fwd = _gather(total, device), _gather(forward, device)
+        everyone, everyone_fwd = gather_floats(total, device), gather_floats(forward, device)
         compute_mean = statistics.fmean(everyone)
         compute_std = statistics.pstdev(everyone)
         fwd_share = statistics.fmean(everyone_fwd) / compute_mean
-    update = _slowest(_update_time(weights, args.reps, device), device)
+    update = slowest(_update_time(weights, args.reps, device), device)
     result = {
         "world_size": n,
         "local_world_size": local,
-        "backend": dist.get_backend(),
+        "backend": backend,
         "params": numel,
         "bytes": numel * weights[0].element_size(),
         "compute_mean_s": compute_mean,
@@ -240,8 +234,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions of each communication")
     p.add_argument("--compute-ms", type=float, default=None, help="use this compute time instead")
     p.add_argument("--compute-std-ms", type=float, default=0.0)
-    p.add_argument("--overlap", type=float, default=1.0,
-                   help="fraction of DDP's all-reduce that can hide behind backward (default 1)")  # fmt: skip
+    p.add_argument(
+        "--overlap",
+        type=float,
+        default=1.0,
+        help="fraction of DDP's all-reduce that can hide behind backward (default 1)",
+    )
     p.add_argument("--topologies", nargs="+", default=topologies.names())
     p.add_argument("--json", default=None, help="also write the measurements and predictions here")
     return p
@@ -255,29 +253,31 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             "run me under torchrun, e.g. torchrun --nproc-per-node 2 -m decent_optim.plan"
         )
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    device = init_from_environment()
     try:
         measured = measure(args, device)
         rows = predict(measured, args.overlap)
-        if dist.get_rank() == 0:
+        if group_info()[0] == 0:
             print(format_table(measured, rows), flush=True)
             if args.json:
                 out = {
                     "measured": measured,
                     "predicted": [
-                        {"method": p.method, "iteration_s": p.iteration, "speedup": s,
-                         "compute_s": p.compute, "comm_s": p.comm, "exposed_s": p.exposed_comm}
+                        {
+                            "method": p.method,
+                            "iteration_s": p.iteration,
+                            "speedup": s,
+                            "compute_s": p.compute,
+                            "comm_s": p.comm,
+                            "exposed_s": p.exposed_comm,
+                        }
                         for p, s in rows
                     ],
-                }  # fmt: skip
+                }
                 with open(args.json, "w") as f:
                     json.dump(out, f, indent=2)
     finally:
-        dist.destroy_process_group()
+        shutdown()
     return 0
 
 

@@ -266,3 +266,44 @@ def test_every_receive_is_posted_before_any_send():
             assert "send" in kinds and "recv" in kinds, kinds
             first_send = kinds.index("send")
             assert "recv" not in kinds[first_send:], kinds
+
+
+def _deferred_round(rank, world_size, schedule, transport, t):
+    topo = CustomTopology(schedule) if schedule is not None else get_topology("ring", world_size)
+    gossip = Gossiper(topo, transport=transport)
+    bufs = [_distinct_values(rank, 6), _distinct_values(rank + 10, 3).float()]
+    pending = gossip.start(bufs, t).wait_and_mix_deferred_()
+    # an idle receive buffer would be the addend itself: none may be lent while one is pending
+    addends = [None if p.addend is None else p.addend.clone() for p in pending]
+    for buf, p in zip(bufs, pending):
+        p.apply_(buf)
+    return [p.factor for p in pending], addends, [b.clone() for b in bufs]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "schedule, transport, t, deferred",
+    [(None, "p2p", 0, True), (None, "allreduce", 0, False), (METROPOLIS, "p2p", 0, False)],
+    ids=["ring-pairs", "ring-allreduce", "custom-weights"],
+)
+def test_deferred_mix_leaves_a_pair_peer_values_to_the_caller(schedule, transport, t, deferred):
+    # a pair round (point to point) hands back the peer's values and the weight 1/2 untouched,
+    # so the optimizer can add and scale inside its own update; any other round mixes fully
+    n = 4
+    got = run_world(_deferred_round, n, schedule, transport, t)
+    topo = CustomTopology(schedule) if schedule is not None else get_topology("ring", n)
+    w = topo.mixing_matrix(t)
+    for rank, (factors, addends, bufs) in enumerate(got):
+        if deferred:
+            peer = next(j for j in range(n) if j != rank and w[rank, j] > 0)
+            assert factors == [0.5, 0.5]
+            torch.testing.assert_close(addends[0], _distinct_values(peer, 6), rtol=0, atol=0)
+        else:
+            assert addends == [None, None]
+        for b, seed_shift in enumerate([0, 10]):
+            x = torch.stack(
+                [_distinct_values(r + seed_shift, 6 if b == 0 else 3) for r in range(n)]
+            )
+            if b == 1:
+                x = x.float().double()
+            torch.testing.assert_close(bufs[b].double(), (w @ x)[rank], rtol=1e-6, atol=1e-6)

@@ -1,0 +1,165 @@
+"""Gossiper: carries out the topology's rounds over a process group, choosing a strategy per round."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from decent_optim.gossip.allreduce import GroupAllReduce
+from decent_optim.gossip.exchange import Exchange, Idle, Link
+from decent_optim.gossip.handle import DONE, GossipHandle
+from decent_optim.gossip.p2p import PointToPoint
+from decent_optim.topologies import Topology
+
+__all__ = ["TRANSPORTS", "Gossiper", "LocalGossiper"]
+
+TRANSPORTS = ("auto", "p2p", "allreduce")
+
+
+class LocalGossiper:
+    """World of one (or no process group): nothing to exchange, mixing is the identity."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self, topology: Topology | None = None) -> None:
+        del topology  # accepted so that both gossipers are built alike
+
+    def start(
+        self, buffers: Sequence[Tensor], step: int, *, global_average: bool = False
+    ) -> GossipHandle:
+        return DONE
+
+    def average_(self, tensors: Sequence[Tensor]) -> None:
+        """The mean over one rank is the tensor itself."""
+
+    def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
+        """No communication buffers in a world of one."""
+        return None
+
+
+class Gossiper:
+    """Neighbour exchange over a process group, following a :class:`Topology`.
+
+    Each round of the period is carried out by one :class:`~decent_optim.gossip.exchange.Exchange`,
+    chosen here once: a rank alone in its group sits the round out; a uniform group of three or
+    more ranks all-reduces on a sub-group; pairs and rounds with arbitrary weights go point to
+    point. ``transport`` forces one strategy: ``"p2p"``, or ``"allreduce"`` (which needs every
+    round to be a partition into uniform groups).
+
+    Args:
+        topology: the schedule; its ``world_size`` must equal the group's size.
+        group: the process group (default: the world). Topology ranks are ranks in this group.
+        transport: ``"auto"``, ``"p2p"`` or ``"allreduce"``.
+        timeout: how long :meth:`GossipHandle.wait` waits for a round before raising
+            :class:`GossipError` naming the round and the peers; ``None`` waits as long as the
+            process group allows.
+
+    Sub-groups for all-reduce are created here, collectively: every rank of ``group`` must
+    build its ``Gossiper`` at the same point of the program.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        group: Any = None,
+        transport: str = "auto",
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        group = group if group is not None else dist.group.WORLD
+        world_size = dist.get_world_size(group)
+        if topology.world_size != world_size:
+            raise ValueError(
+                f"topology {topology!r} is for {topology.world_size} ranks, "
+                f"the process group has {world_size}"
+            )
+        if transport == "allreduce":
+            for r in range(topology.period):
+                if topology.groups(r) is None:
+                    raise ValueError(
+                        f"transport='allreduce' needs uniform group rounds, but round {r} of "
+                        f"{topology!r} has arbitrary weights; use 'p2p' or 'auto'"
+                    )
+        global_ranks = [dist.get_global_rank(group, r) for r in range(world_size)]
+        self._link = Link(group, dist.get_rank(group), world_size, global_ranks, timeout)
+        self.topology, self.transport, self.timeout = topology, transport, timeout
+        self.group, self.rank, self.world_size = group, self._link.rank, world_size
+        subgroups = self._create_subgroups()
+        self._rounds = [self._choose(r, subgroups) for r in range(topology.period)]
+        self._global = GroupAllReduce(self._link, world_size, group)
+
+    def _uses_allreduce(self, members: tuple[int, ...]) -> bool:
+        if self.transport == "p2p":
+            return False
+        if self.transport == "allreduce":
+            return len(members) > 1
+        return len(members) > 2
+
+    def _create_subgroups(self) -> dict[tuple[int, ...], Any]:
+        """The process group of every all-reducing group of the period that holds this rank."""
+        needed = sorted(
+            {
+                g
+                for r in range(self.topology.period)
+                for g in self.topology.groups(r) or []
+                if self._uses_allreduce(g) and len(g) < self.world_size
+            }
+        )
+        if needed and dist.get_world_size() != self.world_size:
+            # new_group is a collective of the *whole* world, and the ranks outside our group
+            # never build this Gossiper; so a sub-world group gossips point-to-point only
+            if self.transport == "allreduce":
+                raise ValueError(
+                    "transport='allreduce' needs sub-groups, which can only be created when the "
+                    "optimizer's process group is the whole world; use 'p2p' or 'auto'"
+                )
+            self.transport = "p2p"
+            return {}
+        made: dict[tuple[int, ...], Any] = {tuple(range(self.world_size)): self.group}
+        for g in needed:
+            # every rank creates every group, in one global order, members or not: that is
+            # what new_group requires (use_local_synchronization names a group by how many
+            # groups each member made before, which differs between members here)
+            pg = dist.new_group([self._link.global_ranks[r] for r in g])
+            if self.rank in g:
+                made[g] = pg
+        return made
+
+    def _choose(self, r: int, subgroups: dict[tuple[int, ...], Any]) -> Exchange:
+        groups = self.topology.groups(r)
+        if groups is None:
+            return PointToPoint(self._link, self.topology)
+        mine = next(g for g in groups if self.rank in g)
+        if len(mine) == 1:
+            return Idle()
+        if self._uses_allreduce(mine):
+            return GroupAllReduce(self._link, len(mine), subgroups[mine])
+        return PointToPoint(self._link, self.topology)
+
+    def start(
+        self, buffers: Sequence[Tensor], step: int, *, global_average: bool = False
+    ) -> GossipHandle:
+        """Launch round ``step`` for ``buffers``; every rank must call it for every step.
+
+        With ``global_average`` the round averages over the whole group instead of following
+        the topology (periodic global averaging); every rank must pass the same value.
+        """
+        exchange = self._global if global_average else self._rounds[step % len(self._rounds)]
+        return exchange.start(buffers, step)
+
+    def average_(self, tensors: Sequence[Tensor]) -> None:
+        """In place, synchronously: every tensor becomes its mean over the group's ranks."""
+        works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors]
+        GossipHandle([(w, None) for w in works], None, rank=self.rank, timeout=self.timeout).wait()
+        for t in tensors:
+            t.div_(self.world_size)
+
+    def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
+        """A receive buffer of bucket ``index`` that no round is using now (see :class:`Link`)."""
+        return self._link.idle_buffer(index, like)
