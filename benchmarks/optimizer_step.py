@@ -8,9 +8,9 @@ ones, 10M+ parameters). Methods, run interleaved round-robin so machine load hit
 * ``torch-foreach`` / ``torch-fused``: ``torch.optim.AdamW(foreach=True)`` / ``(fused=True)``;
 * ``decent-update``: ``DecentralizedAdamW.step()`` with one worker (the local update only);
 * ``decent-step``: the full step, mix + update: the optimizer's gossip is replaced by a loopback
-  that mixes each bucket with a fixed "received" copy the way a ring round does (the sum
-  ``x + x_j`` is left in the bucket and the 1/2 goes to the update), and lends a receive-sized
-  buffer as the real gossip does, so it times the arithmetic of a step without the network;
+  that hands each bucket a fixed "received" copy the way a ring round does (the peer's values
+  and the weight 1/2 are left to the update), and lends a receive-sized buffer as the real
+  gossip does, so it times the arithmetic of a step without the network;
 * ``torch-sgd-fused`` / ``dsgd-update`` / ``dsgd-step``: the same for ``torch.optim.SGD(fused=True)``
   and ``DSGD``, both with momentum 0.9 (the mix factor cannot join a momentum update);
 * ``accum-update`` / ``accum-step``: ``AccumAdamW(accum_iter=4)``, compared with torch's fused
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import decent_optim as dopt
-from decent_optim.gossip import GossipHandle
+from decent_optim.gossip import GossipHandle, PendingMix
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -81,15 +81,18 @@ class _Loopback:
             self.received = [b.clone() for b in buffers]
         received = self.received
 
-        def finish() -> list[float]:
+        def finish(defer_addend: bool) -> list[PendingMix]:
+            if defer_addend:  # what Gossiper leaves after a pair round
+                return [PendingMix(0.5, other) for other in received]
             for buf, other in zip(buffers, received):
-                buf.add_(other)  # what Gossiper leaves after a pair round
-            return [0.5] * len(buffers)
+                buf.add_(other)
+            return [PendingMix(0.5)] * len(buffers)
 
         return GossipHandle([], finish, buffers=buffers)
 
     def idle_buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
         # Gossiper lends the bucket's receive buffer; here a buffer of the same size stands in
+        # (the stored copy must stay as it is for the next round)
         if index not in self.receive_buffers:
             self.receive_buffers[index] = torch.empty_like(like)
         return self.receive_buffers[index]
@@ -109,7 +112,7 @@ def make(method: str, params: list[torch.Tensor]):
     else:
         opt = dopt.DSGD(params, **SGD)
     if method.endswith("-step"):
-        opt._gossip = _Loopback()
+        opt._rounds.gossip = _Loopback()  # type: ignore[assignment]
     return opt
 
 

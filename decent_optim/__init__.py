@@ -6,8 +6,10 @@ per step, while the next forward and backward run.
 """
 
 from decent_optim import topologies
-from decent_optim.optim import DSGD, AccumAdam, AccumAdamW, DecentralizedAdam, DecentralizedAdamW
-from decent_optim.optim._base import DecentralizedOptimizer
+from decent_optim.optim.accum_adam import AccumAdam, AccumAdamW
+from decent_optim.optim.dadam import DecentralizedAdam, DecentralizedAdamW
+from decent_optim.optim.dsgd import DSGD
+from decent_optim.optim.engine import DecentralizedOptimizer
 from decent_optim.topologies import Topology
 
 __version__ = "0.1.0"

@@ -48,6 +48,18 @@ def check_betas(betas: object) -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
 
 
+def adam_hyper(
+    lr: object, betas: object, eps: object, weight_decay: object, amsgrad: bool, **more: object
+) -> dict[str, object]:
+    """The checked hyper-parameters of the Adam family, as a param group's defaults."""
+    check_lr(lr)
+    check_eps(eps)
+    check_betas(betas)
+    check_weight_decay(weight_decay)
+    pair = (float(betas[0]), float(betas[1]))  # type: ignore[index]
+    return dict(lr=lr, betas=pair, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **more)
+
+
 def check_momentum(momentum: object, dampening: object, nesterov: bool) -> None:
     if not 0.0 <= _number("momentum", momentum):
         raise ValueError(f"Invalid momentum value: {momentum}")

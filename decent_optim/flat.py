@@ -1,10 +1,16 @@
-"""FlatParams: parameters regrouped into contiguous buckets, one dtype and device per bucket.
+"""Flat storage: parameters and their optimizer state as contiguous buckets of per-parameter views.
 
 Gossip sends and mixes whole buckets (one message and one kernel per bucket instead of one per
 parameter), so the parameters themselves are made views of the buckets: after
 :class:`FlatParams` is built, ``p.data`` of every parameter aliases a slice of its bucket and
 writing either writes both. The ``Parameter`` objects stay the same, so the model, autograd and
 anything holding references keep working.
+
+A bucket also owns the optimizer's per-parameter state: every state tensor (``exp_avg``,
+``momentum_buffer``, ...) is a flat buffer laid out like the parameters, and the step counters
+are one float32 vector with an element per parameter. ``opt.state[p]`` holds views into them,
+so one kernel call updates a whole bucket's parameters and state at once, while the state still
+looks to torch tools exactly like torch.optim's.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Bucket", "FlatParams"]
+__all__ = ["Bucket", "FlatParams", "check_flattenable"]
 
 
 class Bucket:
@@ -37,6 +43,7 @@ class Bucket:
             view.copy_(p.detach())
             p.data = view
         self._ptrs = [p.data_ptr() for p in self.params]
+        self._state: dict[str, tuple[Tensor, list[Tensor]]] = {}
 
     @staticmethod
     def view_of(flat: Tensor, like: Tensor, offset: int) -> Tensor:
@@ -47,7 +54,31 @@ class Bucket:
         """Per-parameter views into ``flat``, a buffer laid out like :attr:`data`."""
         return [self.view_of(flat, p, off) for p, off in zip(self.params, self.offsets)]
 
+    def segments(self, flat: Tensor) -> list[Tensor]:
+        """Per-parameter one-dimensional slices of ``flat``, in memory order."""
+        return [flat[off : off + p.numel()] for p, off in zip(self.params, self.offsets)]
+
+    def state(self, key: str) -> tuple[Tensor, list[Tensor]]:
+        """State buffer ``key``: one flat tensor like :attr:`data` (zeros at first), and its views."""
+        entry = self._state.get(key)
+        if entry is None:
+            flat = torch.zeros_like(self.data)
+            entry = self._state[key] = (flat, self.views(flat))
+        return entry
+
+    def steps(self) -> tuple[Tensor, list[Tensor]]:
+        """The step counters: a float32 vector with one element per parameter, and its 0-d views.
+
+        float32 on the parameters' device is the layout torch's fused kernels read.
+        """
+        entry = self._state.get("step")
+        if entry is None:
+            flat = torch.zeros(len(self.params), dtype=torch.float32, device=self.device)
+            entry = self._state["step"] = (flat, list(flat.unbind()))
+        return entry
+
     def check_aliasing(self) -> None:
+        """Raise if some parameter stopped viewing this bucket (then gossip would miss it)."""
         if [p.data_ptr() for p in self.params] == self._ptrs:
             return  # every step: one comparison of lists, not a Python loop
         for p, ptr in zip(self.params, self._ptrs):
@@ -87,9 +118,6 @@ class FlatParams:
                     members, size = [], 0
                 open_[key] = (members + [p], size + nbytes)
             self.buckets += [Bucket(members, gi) for members, _ in open_.values() if members]
-        self.bucket_of: dict[Tensor, tuple[Bucket, int]] = {
-            p: (b, k) for b in self.buckets for k, p in enumerate(b.params)
-        }
 
     @property
     def buffers(self) -> list[Tensor]:
@@ -99,9 +127,6 @@ class FlatParams:
         """Raise if some parameter stopped viewing its bucket (then gossip would miss it)."""
         for b in self.buckets:
             b.check_aliasing()
-
-    def numel(self) -> int:
-        return sum(b.numel for b in self.buckets)
 
 
 def check_flattenable(p: Tensor) -> None:

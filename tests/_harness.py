@@ -164,20 +164,41 @@ class _ProcessState:
             sys.modules["numpy"].random.seed(0)
 
 
-def _live_groups() -> list[Any]:
-    """Process groups this rank belongs to, the world group first (private torch state; see fragility)."""
-    from torch.distributed import distributed_c10d as c10d
+class _GroupRecorder:
+    """Records the process groups a task creates with ``dist.new_group``, to destroy them after it.
 
-    return list(c10d._world.pg_map)
+    Only public API: ``new_group`` is wrapped for the duration of the task.
+    """
+
+    def __init__(self) -> None:
+        self.created: list[Any] = []
+
+    def __enter__(self) -> _GroupRecorder:
+        import torch.distributed as dist
+
+        self._original = dist.new_group
+
+        def new_group(*args: Any, **kwargs: Any) -> Any:
+            group = self._original(*args, **kwargs)
+            self.created.append(group)
+            return group
+
+        dist.new_group = new_group
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        dist.new_group = self._original
 
 
 def _run_task(rank: int, world_size: int, message: bytes, state: _ProcessState) -> tuple:
     import torch.distributed as dist
 
     output = io.StringIO()
-    groups_before = set(_live_groups())
+    recorder = _GroupRecorder()
     try:
-        with redirect_stdout(output), redirect_stderr(output), warnings.catch_warnings():
+        with redirect_stdout(output), redirect_stderr(output), warnings.catch_warnings(), recorder:
             state.restore()
             # fn's module may live in a directory the parent put on sys.path after this worker started.
             parent_path, task = pickle.loads(message)
@@ -199,12 +220,13 @@ def _run_task(rank: int, world_size: int, message: bytes, state: _ProcessState) 
     if healthy:
         # Subgroups outlive the task otherwise: each holds gloo threads and sockets, ~100 tests add up.
         # Every rank destroys the same groups, and destroying a subgroup is local, so ranks stay in step.
-        for group in reversed(_live_groups()):
-            if group not in groups_before:
-                try:
-                    dist.destroy_process_group(group)
-                except Exception:
-                    healthy = False
+        for group in reversed(recorder.created):
+            if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+                continue  # this rank is not in it: nothing of it lives here
+            try:
+                dist.destroy_process_group(group)
+            except Exception:
+                healthy = False
     return kind, payload, output.getvalue()[-OUTPUT_TAIL_CHARS:], healthy
 
 

@@ -13,9 +13,6 @@ from reference import RefState, Segment, simulate
 from reference import accum_adam as reference_accum_adam
 
 import decent_optim as dopt
-from decent_optim.optim import accum_adam as accum_adam_module
-from decent_optim.optim import dadam as dadam_module
-from decent_optim.optim import dsgd as dsgd_module
 from decent_optim.topologies import CustomTopology
 from decent_optim.topologies import get as get_topology
 
@@ -180,42 +177,48 @@ def test_accum_adam_fast_path_matches_reference(shapes, grad_layout, cls, kw):
 
 
 @pytest.mark.parametrize(
-    "module, kernel, cls, kw",
+    "kernel, cls, kw",
     [
-        (dadam_module, "adam_update_uniform_", dopt.DecentralizedAdamW, dict(lr=0.01)),
-        (dsgd_module, "sgd_update_", dopt.DSGD, dict(lr=0.01, momentum=0.9)),
-        (accum_adam_module, "accum_adam_step_", dopt.AccumAdamW, dict(lr=0.01, accum_iter=2)),
+        ("_fused_adamw_", dopt.DecentralizedAdamW, dict(lr=0.01)),
+        ("_fused_sgd_", dopt.DSGD, dict(lr=0.01, momentum=0.9)),
+        ("_fused_adamw_", dopt.AccumAdamW, dict(lr=0.01, accum_iter=2)),
     ],
 )
-def test_after_the_first_step_every_bucket_takes_the_fast_path(
-    monkeypatch, module, kernel, cls, kw
-):
-    calls = []
-    real = getattr(module, kernel)
+def test_after_the_first_step_every_bucket_takes_the_fast_path(monkeypatch, kernel, cls, kw):
+    # each bucket is one update of the rule covering the whole bucket, and one kernel call
+    kernel_calls, batches = [], []
+    real_kernel, real_update = getattr(torch, kernel), cls.rule.update
 
-    def spy(*args, **kwargs):
-        calls.append(args[0])
-        return real(*args, **kwargs)
+    def spy_kernel(*args, **kwargs):
+        kernel_calls.append(args[0])
+        return real_kernel(*args, **kwargs)
 
-    monkeypatch.setattr(module, kernel, spy)
+    def spy_update(batch, group, **kwargs):
+        batches.append(batch)
+        return real_update(batch, group, **kwargs)
+
+    monkeypatch.setattr(torch, kernel, spy_kernel)
+    monkeypatch.setattr(cls.rule, "update", spy_update)
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(s, generator=gen).requires_grad_() for s in SMALL]
     opt = cls(params, **kw, bucket_cap_mb=100 * 4 / 2**20)  # a few buckets
-    buckets = len(opt._flat.buckets)
-    assert buckets > 1
-    for _ in range(3):  # the first step creates the state on the general path
-        calls.clear()
+    buckets = opt._flat.buckets
+    assert len(buckets) > 1
+    for _ in range(3):  # the first step creates the state
+        kernel_calls.clear()
+        batches.clear()
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
-    if kernel == "accum_adam_step_":  # one call per third of a bucket, on flat slices
-        assert 3 * buckets <= len(calls) <= 4 * buckets
-        assert all(p.dim() == 1 for p in calls)
-    elif cls is dopt.DSGD:  # one call per bucket, on its parameters' list
-        assert [len(p) for p in calls] == [len(b.params) for b in opt._flat.buckets]
-    else:  # flat: one call with one tensor per bucket
-        assert len(calls) == buckets
-        assert all(len(p) == 1 for p in calls)
+    assert [b.bucket for b in batches] == buckets
+    assert all(b.whole for b in batches)
+    if cls is dopt.DSGD:  # one call per bucket, on its parameters' list
+        assert [len(p) for p in kernel_calls] == [len(b.params) for b in buckets]
+        assert not any(b.flat for b in batches)
+    else:  # flat: one call with one tensor per bucket (AccumAdam: one per slice of it)
+        assert len(kernel_calls) == len(buckets)
+        assert all(len(p) == 1 and p[0].dim() == 1 for p in kernel_calls)
+        assert all(b.flat for b in batches)
 
 
 def test_step_counters_are_shared_after_the_first_step():
@@ -347,7 +350,7 @@ def test_flat_path_on_two_ranks_matches_a_dense_simulation():
 
 def _case(cls, kind, **kwargs):
     """(class, kwargs, reference kind, reference hyper-parameters) of one configuration."""
-    hyper = {k: float(v) if k == "lr" else v for k, v in kwargs.items()}
+    hyper = {k: float(v) if k == "lr" else v for k, v in kwargs.items() if k != "fused"}
     if cls in (dopt.DecentralizedAdamW, dopt.AccumAdamW):
         hyper["decoupled"] = True
     return cls, kwargs, kind, hyper
@@ -371,6 +374,10 @@ FACTOR_CASES = {
     "AccumAdam": _case(dopt.AccumAdam, "accum_adam", lr=0.05, accum_iter=3),
     "AccumAdam-L2": _case(dopt.AccumAdam, "accum_adam", lr=0.05, accum_iter=2, weight_decay=0.05),
     "AccumAdamW": _case(dopt.AccumAdamW, "accum_adam", lr=0.05, accum_iter=2, weight_decay=0.1),
+    # compiled into one pass that also adds the pair's peer values (PendingMix addend)
+    "AccumAdamW-compiled": _case(
+        dopt.AccumAdamW, "accum_adam", lr=0.05, accum_iter=2, weight_decay=0.1, fused=True
+    ),
 }
 FACTOR_STEPS = 10
 #: a path 0 - 1 - 2 with Metropolis weights: rank 1 weighs all three equally (a sum and a factor

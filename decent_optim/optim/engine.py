@@ -1,0 +1,288 @@
+r"""The engine every decentralized optimizer shares: gossip rounds around an update rule.
+
+A public optimizer class is its hyper-parameters plus an :class:`~decent_optim.rules.base.UpdateRule`;
+this class does everything else, in parts of their own: start-up (:mod:`~decent_optim.optim.startup`),
+the rounds (:mod:`~decent_optim.optim.rounds`), the state in flat buffers
+(:mod:`~decent_optim.optim.state`) and checkpoints (:mod:`~decent_optim.optim.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from decent_optim._validation import (
+    check_decentralized,
+    check_global_avg_every,
+    check_timeout,
+    check_unsupported,
+)
+from decent_optim.gossip.handle import NO_MIX
+from decent_optim.optim import checkpoint, consensus
+from decent_optim.optim.inputs import gradients
+from decent_optim.optim.options import ParamsT, with_defaults
+from decent_optim.optim.rounds import Rounds
+from decent_optim.optim.startup import connect
+from decent_optim.optim.state import FlatState
+from decent_optim.rules.base import Amp, UpdateRule
+from decent_optim.topologies import Topology
+
+__all__ = ["DecentralizedOptimizer"]
+
+
+class DecentralizedOptimizer(Optimizer):
+    r"""Base class: a torch optimizer whose parameters are also gossiped with neighbours.
+
+    Each :meth:`step` does, on rank :math:`i` at round :math:`t` (``t`` = completed steps):
+
+    1. wait for the round-``t`` exchange launched by the previous step and mix,
+       :math:`x_i \leftarrow \sum_j W^{(t)}_{ij} x_j`;
+    2. apply the local update (the class's update rule) to the mixed parameters with the
+       gradient computed at the unmixed ones;
+    3. launch round ``t + 1`` with the new parameters, to travel during the next forward and
+       backward.
+
+    Steps 1 and 2 share passes over memory where they can: after a pair round the rule gets the
+    rank's values, the peer's and the weight 1/2, and applies them in its own update (see
+    :mod:`decent_optim.rules.base`). Every rank launches exactly one round per step, whatever
+    happens locally (parameters without gradients, an update a ``GradScaler`` skipped), because
+    its neighbours are waiting for it.
+
+    Parameters with ``requires_grad=False`` when the optimizer is built (frozen layers) are
+    broadcast from rank 0 once and then left out of the gossip: they never change, so there is
+    nothing to average, and no bandwidth is spent on them (a gradient on one later is an error).
+    Trainable parameters that get no gradient in a step (an unused branch) skip their local
+    update, as in torch.optim, but are still gossiped. Their values are equal on every rank, so
+    a pair's mean keeps them exactly; the floating-point mean of three or more equal values
+    (``complete``, the groups of ``alternating-exp-ring``) can differ in the last bit.
+
+    The state lives in flat buffers per bucket; ``opt.state[p]`` holds views of them, and state
+    written through ``opt.state`` (by hand, or by ``load_state_dict``) is copied in before the
+    next update (:mod:`decent_optim.optim.state`). Checkpoints: see :meth:`state_dict`.
+
+    Args:
+        params: parameters or param groups, as for torch.optim.
+        defaults: the algorithm's hyper-parameters (a subclass passes them).
+        topology: a name (``"complete"``, ``"ring"``, ``"one-peer-exp"``,
+            ``"alternating-exp-ring"``) or a :class:`~decent_optim.Topology`.
+        process_group: the workers that gossip (default: the world group).
+        bucket_cap_mb: size of the flat buckets parameters are packed into.
+        local_world_size: workers per node (default: ``LOCAL_WORLD_SIZE`` from torchrun, else 1).
+        timeout: seconds (or a ``timedelta``) to wait for a gossip round before raising
+            :class:`~decent_optim.gossip.GossipError` naming the round and the peers; default:
+            the process group's timeout.
+        global_avg_every: also average globally (all-reduce) every this many steps, instead of
+            that step's gossip round (Gossip-PGA); default never.
+        maximize: maximize the objective instead of minimizing it, as in torch.optim.
+        foreach: accepted for compatibility with torch.optim; the update picks its kernels.
+        capturable, differentiable: torch.optim flags this package does not implement; they
+            must stay False.
+        fused: for updates that have no single torch kernel (AccumAdam's), whether to compile
+            one with ``torch.compile`` (see :mod:`decent_optim.rules.compiled`): None (default)
+            for buckets of at least 2**20 elements, True for every bucket, False never. The
+            other updates always run torch's fused kernels.
+    """
+
+    #: the algorithm: its state, its update
+    rule: ClassVar[UpdateRule]
+
+    # GradScaler calls step() even when it found inf/NaN, passing ``grad_scale`` and
+    # ``found_inf`` as attributes: the update is then skipped but the gossip round still runs
+    _step_supports_amp_scaling = True
+
+    def __init_subclass__(cls, **defaults: Any) -> None:
+        """``class B(A, weight_decay=1e-2)``: B is A whose constructor has other defaults."""
+        super().__init_subclass__()
+        if defaults:
+            parent_init = cls.__mro__[1].__init__  # type: ignore[misc]
+            cls.__init__ = with_defaults(parent_init, f"{cls.__qualname__}.__init__", defaults)  # type: ignore[method-assign]
+
+    def __init__(
+        self,
+        params: ParamsT,
+        defaults: dict[str, Any],
+        *,
+        topology: str | Topology = "ring",
+        process_group: Any = None,
+        bucket_cap_mb: float = 25,
+        local_world_size: int | None = None,
+        timeout: float | datetime.timedelta | None = None,
+        global_avg_every: int | None = None,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+    ) -> None:
+        check_unsupported(type(self).__name__, capturable=capturable, differentiable=differentiable)
+        check_decentralized(topology, bucket_cap_mb, local_world_size)
+        wait_limit = check_timeout(timeout)
+        check_global_avg_every(global_avg_every)
+        flags = dict(maximize=maximize, foreach=foreach, fused=fused)
+        flags.update(capturable=False, differentiable=False)
+        self._building = True
+        super().__init__(params, {**defaults, **{k: flags[k] for k in self.rule.flags}})
+        self._building = False
+        start = connect(
+            [g["params"] for g in self.param_groups],
+            topology=topology,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+            local_world_size=local_world_size,
+            timeout=wait_limit,
+        )
+        self.topology = start.topology
+        self._flat, self._frozen, self._stash = start.flat, start.frozen, start.stash
+        self._rounds = Rounds(start.gossip, start.flat, global_avg_every)
+        self._flat_state = FlatState(start.flat.buckets, self.rule)
+        self.state = self._flat_state.wrap(self.state)
+
+    # -- public -------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the optimizer's process group (0 without one)."""
+        return self._rounds.gossip.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers gossiping (1 without a process group)."""
+        return self._rounds.gossip.world_size
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Mix the neighbours' parameters in, take the local update, send the result on.
+
+        Args:
+            closure: re-evaluates the model and returns the loss, as for torch.optim.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = gradients(
+            self._flat,
+            self._frozen,
+            type(self).__name__,
+            first=not self._rounds.count and not self.state,
+        )
+        self._stash = None  # training has begun from the broadcast values
+        if self._flat_state.stale:
+            self._flat_state.rebind(self.state, self.param_groups)
+        mixes = self._rounds.take()
+        # set by GradScaler.step
+        amp = Amp(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        for index, bucket in enumerate(self._flat.buckets):
+            group = self.param_groups[bucket.group_index]
+            batch, mix = self._flat_state.batch(
+                index,
+                self.state,
+                group,
+                grads[index],
+                NO_MIX if mixes is None else mixes[index],
+                self._rounds.gossip.idle_buffer,
+            )
+            if batch is not None:
+                self.rule.update(batch, group, mix=mix, amp=amp)
+                self._flat_state.updated(index, batch, amp.active)
+        # launch even when no parameter had a gradient: the neighbours wait on this round
+        self._rounds.launch()
+        return loss
+
+    def synchronize(self) -> None:
+        """Wait for the gossip in flight and mix it into the parameters.
+
+        Afterwards the parameters are final for the current step: what the next :meth:`step`
+        would have mixed in is already in. Cheap when nothing is in flight.
+        """
+        self._rounds.synchronize()
+
+    def averaged(
+        self, module: torch.nn.Module | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Within the block, every rank's parameters are the global average; restored on exit.
+
+        A collective: every rank enters it at the same point. The round in flight is waited
+        for (its values are kept to be mixed by the next :meth:`step`), the parameters are
+        replaced by their mean over all ranks and, when ``module`` is given, so are its
+        floating-point buffers (e.g. BatchNorm running statistics). On exit every value is
+        restored bit for bit, so training continues as if the block never ran.
+
+        Example:
+            >>> with opt.averaged(model):  # doctest: +SKIP
+            ...     val_loss = evaluate(model)
+        """
+        return consensus.averaged(self._rounds, self._flat.buffers, module)
+
+    def consensus_distance(self) -> float:
+        r"""This rank's distance to the mean parameters, :math:`\lVert x_i - \bar x \rVert_2`.
+
+        A collective (every rank calls it; each gets its own distance), over every gossiped
+        parameter, in float64. Uses the current, unmixed values, like the paper's d2c.
+        """
+        return consensus.distance(self._rounds, self._flat.buffers)
+
+    def consensus_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
+        """``module.state_dict()`` of the globally averaged model, for export or deployment.
+
+        A collective; every rank gets the same copy (save it from rank 0). The rank's own
+        values are untouched. Example: ``sd = opt.consensus_state_dict(model)``, then on rank 0
+        ``torch.save(sd, "model.pt")``.
+        """
+        with self.averaged(module):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_building", False):
+            raise RuntimeError(
+                f"{type(self).__name__} cannot add parameter groups after construction: its "
+                "parameters live in flat buffers shared with the peers. Pass every group to the "
+                "constructor (a group with lr=0 can wait for its turn)"
+            )
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's format plus ``"decent_optim": {"step": rounds, "pending": in_flight}``.
+
+        Does not wait for the round in flight: the first :meth:`step` after
+        :meth:`load_state_dict` runs it again (see :mod:`decent_optim.optim.checkpoint`).
+        """
+        return checkpoint.save(self, self._rounds)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch.optim-format state; the round counter comes from the ``decent_optim`` entry.
+
+        Without that entry (a torch.optim checkpoint, e.g. from DDP training) the counter is the
+        largest per-parameter ``step`` in the state, or 0, which every rank loading the same
+        file agrees on, and no round is in flight. Works in both orders of resuming: build the
+        optimizer, then load model and optimizer state; or load the model's (per-rank) weights,
+        build the optimizer, then load its state -- the start-up broadcast does not overwrite
+        the weights being resumed.
+        """
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(checkpoint.KEY, None)
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # keys a checkpoint of an older version lacks
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        self.state = self._flat_state.wrap(self.state)
+        self._rounds.reset(*checkpoint.rounds_of(extra, self.state))
+        self._flat_state.rebind(self.state, self.param_groups)
+        stash, self._stash = self._stash, None
+        if stash is not None:  # the model was loaded before the optimizer was built
+            stash.restore(self._flat.buffers)
+
+    def __del__(self) -> None:
+        # Finish a round still in flight before its buffers and handles go away: gloo aborts
+        # the transfers of a destroyed work object, and the peers' sends to us would then time
+        # out. The peers launched the same round, so this returns promptly; a dead peer makes
+        # the wait fail, which must not escape a destructor.
+        try:
+            self._rounds.wait()
+        except Exception:
+            pass

@@ -1,0 +1,44 @@
+"""What a step reads from the model: each bucket's gradients, after the checks that need them."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from decent_optim.flat import FlatParams
+
+__all__ = ["gradients"]
+
+
+def gradients(
+    flat: FlatParams, frozen: list[Tensor], name: str, *, first: bool
+) -> list[list[Tensor | None]]:
+    """Each bucket's gradients (None where a parameter has none); raises on what cannot be stepped.
+
+    Args:
+        flat: the buckets.
+        frozen: the parameters left out of the buckets (``requires_grad=False`` at construction).
+        name: the optimizer's class name, for messages.
+        first: no step was taken and no state exists yet (a step without any gradient is then
+            a missing ``backward()``, not a step where nothing was used).
+    """
+    grads = [[p.grad for p in b.params] for b in flat.buckets]
+    present = [g for bucket in grads for g in bucket if g is not None]
+    if any(g.is_sparse for g in present):
+        raise RuntimeError(
+            f"{name} does not support sparse gradients; use dense gradients "
+            "(e.g. nn.Embedding(sparse=False))"
+        )
+    for p in frozen:
+        if p.grad is not None:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(p.shape)} had requires_grad=False when {name} was "
+                "built, so it is not gossiped, but it now has a gradient; unfreeze parameters "
+                "before building the optimizer"
+            )
+    if not present and first:
+        raise RuntimeError(
+            "step() was called before any backward(): no parameter has a gradient. Call "
+            "loss.backward() first (every rank must then call step() once per iteration)"
+        )
+    flat.check_aliasing()
+    return grads
