@@ -45,7 +45,7 @@ def main() -> None:
     p, r, g, m = (torch.randn(args.numel, generator=gen) for _ in range(4))
     v = torch.rand(args.numel, generator=gen)
     step = torch.tensor(float(STEP))
-    folded = (1 - 0.5 * (1 - LR * WD)) / LR  # decent_optim._kernels.folded_decay(0.5, LR, WD)
+    folded = (1 - 0.5 * (1 - LR * WD)) / LR  # decent_optim.rules.base.folded_decay(0.5, LR, WD)
 
     def adamw(params, grads, ms, vs, wd):
         torch._fused_adamw_(
