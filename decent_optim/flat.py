@@ -126,7 +126,6 @@ class FlatParams:
                     members, size = [], 0
                 open_[key] = (members + [p], size + nbytes)
             self.buckets += [Bucket(members, gi) for members, _ in open_.values() if members]
-        self._params = [p for b in self.buckets for p in b.params]
 
     @property
     def buffers(self) -> list[Tensor]:
@@ -141,14 +140,6 @@ class FlatParams:
         for b in self.buckets:
             if b.moved():
                 b.readopt(owner)
-
-    def written(self) -> None:
-        """Bump the parameters' autograd versions after writing them through the buckets.
-
-        As an in-place update does in torch.optim: a graph that saved a parameter before the
-        step then refuses to backpropagate through the old value.
-        """
-        torch.autograd.graph.increment_version(self._params)
 
 
 def check_flattenable(p: Tensor) -> None:

@@ -191,7 +191,6 @@ class DecentralizedOptimizer(Optimizer):
             if batch is not None:
                 self.rule.update(batch, group, mix=mix, amp=amp)
                 self._flat_state.updated(index, batch, amp.active)
-        self._flat.written()
         # launch even when no parameter had a gradient: the neighbours wait on this round
         self._rounds.launch()
         return loss
@@ -204,7 +203,6 @@ class DecentralizedOptimizer(Optimizer):
         """
         self._readopt()
         self._rounds.synchronize()
-        self._flat.written()
 
     def averaged(
         self, module: torch.nn.Module | None = None
