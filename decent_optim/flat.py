@@ -184,7 +184,7 @@ def check_disjoint(params: Sequence[Tensor]) -> None:
     spans = sorted(
         (str(p.device), p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), k)
         for k, p in enumerate(params)
-        if p.numel()
+        if p.numel() and p.data_ptr()  # (meta tensors have no memory: address 0)
     )
     for (dev_a, _, end_a, a), (dev_b, start_b, _, b) in zip(spans, spans[1:]):
         if dev_a == dev_b and start_b < end_a:
@@ -212,7 +212,10 @@ def alias_of(flat: Tensor, like: Tensor, offset: int) -> Tensor:
     view = Bucket.view_of(flat, like, offset)
     if view.numel() == 0:  # no memory to share
         return torch.empty_strided(view.size(), view.stride(), dtype=flat.dtype, device=flat.device)
-    alias = torch.from_dlpack(view)
+    try:
+        alias = torch.from_dlpack(view)
+    except (ValueError, RuntimeError, TypeError, BufferError):
+        return view  # a device DLPack does not cover (meta, mps): a plain view, saved whole
     if alias.stride() != view.stride():  # DLPack may rewrite the strides of size-1 dimensions
         alias = alias.as_strided(view.size(), view.stride())
     return alias

@@ -147,6 +147,14 @@ def test_aliases_have_their_own_storage_and_keep_the_bucket_alive():
     assert bool((conv.weight == 2.0).all()) and bool((conv.bias == 2.0).all())
 
 
+def test_parameters_on_a_device_dlpack_does_not_cover_stay_plain_views():
+    params = [nn.Parameter(torch.empty(s, device="meta")) for s in [(3,), (2, 2)]]
+    check_disjoint(params)  # no memory, nothing shared
+    flat = FlatParams([params], bucket_cap_mb=1)
+    assert [p.shape for p in params] == [(3,), (2, 2)] and params[1].device.type == "meta"
+    assert flat.buckets[0].numel == 7
+
+
 def test_empty_parameters_take_no_memory_of_the_bucket():
     params = _params([(0,), (2,), (3, 0)])
     flat = FlatParams([params], bucket_cap_mb=1)

@@ -262,6 +262,24 @@ def test_bad_arguments_raise_before_touching_parameters(cls, kwargs, exc, match)
     assert p.data_ptr() == ptr, "a rejected optimizer must leave the parameters alone"
 
 
+def test_an_optimizer_built_before_init_process_group_under_torchrun_names_the_call(monkeypatch):
+    # what torchrun sets for the second of two workers; the script forgot init_process_group
+    for key, value in dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", RANK="1", LOCAL_RANK="1").items():
+        monkeypatch.setenv(key, value)
+    assert not torch.distributed.is_initialized()
+    p = torch.randn(3, requires_grad=True)
+    ptr = p.data_ptr()
+    with pytest.raises(
+        RuntimeError,
+        match=r"WORLD_SIZE=2 .* no process group.*call torch\.distributed\.init_process_group\(\)",
+    ):
+        dopt.DSGD([p], lr=0.1)
+    assert p.data_ptr() == ptr
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one worker: training alone is what was asked
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    dopt.DSGD([p], lr=0.1)
+
+
 def test_sparse_gradients_are_rejected_at_step():
     emb = nn.Embedding(10, 3, sparse=True)
     opt = dopt.DecentralizedAdam(emb.parameters(), lr=0.1)

@@ -15,7 +15,6 @@ each rank's weights into the model before building the optimizer -- they are kep
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,8 +78,6 @@ def connect(
         check_flattenable(p)
     check_disjoint(every)
     group, world_size = resolve_group(process_group)
-    if group is None:
-        _check_alone()
     topo = topologies.get(topology, world_size, resolve_local_world_size(local_world_size))
     if world_size > 1:
         check_same_parameters(every, group, comm_device(group, every))
@@ -94,17 +91,6 @@ def connect(
     differs = any(not torch.equal(a, b) for a, b in zip(own, flat.buffers))
     stash = Stash(own, flat.buffers) if differs else None
     return Connected(Gossiper(topo, group, timeout=timeout), topo, flat, frozen, stash)
-
-
-def _check_alone() -> None:
-    """Raise when torchrun started several workers but this one has no process group."""
-    workers = os.environ.get("WORLD_SIZE", "1")
-    if workers.isdigit() and int(workers) > 1:
-        raise RuntimeError(
-            f"WORLD_SIZE={workers}: this process is one of {workers} workers (as torchrun "
-            "starts them), but torch.distributed has no process group, so it would train alone; "
-            "call torch.distributed.init_process_group() before building the optimizer"
-        )
 
 
 def _fingerprint(buffers: list[Tensor]) -> list[tuple[float, float]]:
