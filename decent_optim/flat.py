@@ -1,10 +1,36 @@
 """Flat storage: parameters and their optimizer state as contiguous buckets of per-parameter views.
 
 Gossip sends and mixes whole buckets (one message and one kernel per bucket instead of one per
-parameter), so the parameters themselves are made views of the buckets: after
-:class:`FlatParams` is built, ``p.data`` of every parameter aliases a slice of its bucket and
-writing either writes both. The ``Parameter`` objects stay the same, so the model, autograd and
-anything holding references keep working.
+parameter), so the parameters themselves live in the buckets: after :class:`FlatParams` is built,
+``p.data`` of every parameter is its stretch of a bucket and writing either writes both. The
+``Parameter`` objects stay the same, so the model, autograd and anything holding references keep
+working.
+
+**Each parameter has a storage of its own** (:func:`alias_of`). A plain view of the bucket would
+share the bucket's storage, and the ecosystem saves tensors by storage: ``torch.save`` writes a
+view's whole storage (a submodule's ``state_dict`` then carries every bucket it touches), and
+safetensors, accelerate and transformers treat tensors with one storage as one shared tensor
+(accelerate keeps one name per ``(device, storage pointer, storage size)`` and drops the others;
+safetensors' ``save_model`` refuses a group no member of which covers the storage). So each
+parameter's ``.data`` is a tensor built over the same memory through DLPack, whose storage spans
+exactly that parameter and keeps the bucket alive: every save path then writes each tensor once,
+in its own bytes, and tied weights (one ``Parameter`` under two names) are still one storage.
+Two distinct parameters over one memory would be untied by the buckets; :func:`check_disjoint`
+refuses them. On devices DLPack does not cover (``meta``) a parameter stays a plain view.
+Measured (2 CPU threads): a 16.6 kB submodule under :class:`~decent_optim.DSGD` saved in 1.9 MB
+with views, 18.5 kB now; 18 of 18 tensors kept by accelerate's rule, was 1; the step itself is
+unchanged (it works on the buckets: in-process A/B of views against aliases within noise,
+0.99-1.04x on 600 small and 4 large tensors); building costs tens of microseconds per
+parameter more, once. Rejected: ``state_dict`` hooks that clone (a copy of the model at every
+save, and tied names must be kept shared by hand) and separate parameter tensors (the step would
+lose its one kernel per bucket).
+
+**Parameters that leave their bucket come back.** ``model.to("cpu:0")`` (accelerate, HF Trainer
+under torchrun) copies every parameter, and ``p.data = t`` (torch's ``average_parameters``)
+replaces one: the parameter no longer aliases its bucket, so gossip would miss it. One comparison
+of data pointers per step notices it (:meth:`FlatParams.moved`), and :meth:`FlatParams.readopt`
+copies the new values into the bucket and aliases it again, as if they had been written in place;
+a new device, dtype or shape cannot go back and is an error that says what to do.
 
 A bucket also owns the optimizer's per-parameter state: every state tensor (``exp_avg``,
 ``momentum_buffer``, ...) is a flat buffer laid out like the parameters, and the step counters

@@ -16,13 +16,12 @@ import os
 import zipfile
 
 import pytest
+import safetensors.torch as safetensors_torch
 import torch
 from _harness import run_world
 from torch import nn
 
 import decent_optim as dopt
-
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 OPTIMIZERS = [
     (dopt.DSGD, dict(lr=0.05, momentum=0.9)),
@@ -264,7 +263,7 @@ def _hf_paths(rank: int, world_size: int, tmp: str) -> list[str]:
             )
             # the consensus model (a collective), written by rank 0
             consensus = dopt.unwrap(prepared).consensus_state_dict(model)
-            # (a copy: save_pretrained removes the tied names from the dict it is given)
+            # (a copy: save_pretrained deletes entries of the dict it is given)
             model.save_pretrained(os.path.join(here, "mean"), state_dict=dict(consensus))
             if rank == 0:
                 fresh = GPT2LMHeadModel.from_pretrained(os.path.join(here, "mean"))
