@@ -102,30 +102,44 @@ def test_moved_or_reassigned_parameters_are_taken_back_with_their_values(world_s
                 assert not all(torch.equal(a, b) for a, b in zip(run["reassign"], run["none"]))
 
 
-def _post_local_sgd(rank: int, world_size: int) -> list[torch.Tensor]:
+def _post_local_sgd(rank: int, world_size: int, by_hand: bool) -> list[torch.Tensor]:
+    import torch.distributed as dist
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
     from torch.distributed.optim import PostLocalSGDOptimizer
 
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    inner = dopt.DSGD(model.parameters(), lr=0.1)
-    # average_parameters sets every p.data to a view of its own flat tensor
+    inner = dopt.DSGD(model.parameters(), lr=0.1, momentum=0.5)
+    # average_parameters sets every p.data to a slice of one new flat tensor
     opt = PostLocalSGDOptimizer(inner, PeriodicModelAverager(period=2, warmup_steps=2))
     assert dopt.unwrap(opt) is inner
     gen = torch.Generator().manual_seed(rank)
-    for _ in range(6):
+    for t in range(7):
         opt.zero_grad()
         model(torch.randn(8, 4, generator=gen)).square().mean().backward()
-        opt.step()
-    dopt.unwrap(opt).synchronize()
+        if not by_hand:
+            opt.step()
+            continue
+        # the same averaging written in place, once the round in flight is complete
+        inner.step()
+        if t >= 2 and (t - 2) % 2 == 0:
+            inner.consensus_distance()  # waits for the round's transfers, mixes nothing
+            with torch.no_grad():
+                for p in model.parameters():
+                    mean = p.detach() / world_size
+                    dist.all_reduce(mean)
+                    p.copy_(mean)
+    inner.synchronize()
     assert all(p.untyped_storage().nbytes() == p.nbytes for p in model.parameters())
     return [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.multiprocess
-def test_post_local_sgd_around_a_decentralized_optimizer_trains():
-    a, b = run_world(_post_local_sgd, 2)
-    assert all(torch.isfinite(p).all() for p in a + b)
+def test_post_local_sgd_around_a_decentralized_optimizer_equals_averaging_in_place():
+    wrapped = run_world(_post_local_sgd, 2, False)
+    by_hand = run_world(_post_local_sgd, 2, True)
+    for got, want in zip(wrapped, by_hand):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 # -- unwrap ---------------------------------------------------------------------------------------
@@ -148,6 +162,15 @@ def test_unwrap_returns_our_optimizer_and_refuses_others():
     with pytest.raises(TypeError, match=r"got a Wrapper \(it holds a SGD\)"):
         dopt.unwrap(Wrapper(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)))
     assert dopt.unwrap(Wrapper(Wrapper(opt))) is opt
+
+    class LightningLike(type(opt)):  # Lightning's way: an instance of the class it wraps
+        def __init__(self, optimizer):
+            self.__dict__ = dict(optimizer.__dict__)
+            self._optimizer = optimizer
+
+    assert isinstance(LightningLike(opt), dopt.DSGD)
+    assert dopt.unwrap(LightningLike(opt)) is opt
+    assert dopt.unwrap(Wrapper(LightningLike(opt))) is opt
 
 
 def _framework_wrappers(rank: int, world_size: int, frameworks: list[str]) -> list[str]:
