@@ -20,6 +20,7 @@ from torch import nn
 
 import decent_optim as dopt
 from decent_optim.optim.agreement import Account, explain
+from decent_optim.optim.membership import Membership
 
 #: an error must come well before the harness's 30 s process-group timeout
 PROMPT_S = 10.0
@@ -157,6 +158,59 @@ def test_an_error_of_one_rank_reaches_every_rank():
     )
     got = run_world(_build, 2, "bad-lr")
     _assert_same_error(got, "failed on rank 1", "Invalid learning rate: -1.0", kind="ValueError")
+
+
+def _numbered(rank, world_size):
+    """Rank 1 counts an optimizer the others never built on the group (one whose construction
+    it alone left, e.g. on an error it caught), then every rank builds one."""
+    group = dist.new_group(list(range(world_size)))  # counted from 0: a group of this task
+    if rank == 1:
+        Membership.number(group)
+    return _attempt(dopt.DSGD, nn.Linear(3, 3).parameters(), lr=0.1, process_group=group)
+
+
+@pytest.mark.multiprocess
+def test_optimizers_built_in_another_number_are_caught():
+    _assert_same_error(
+        run_world(_numbered, 2),
+        "the ranks disagree on optimizer number: rank 0: 0; rank 1: 1",
+        "in the same order, on every rank",
+        kind="AgreementError",
+    )
+
+
+def _collectives(rank, world_size):
+    """How many all-gathers building an optimizer and loading its state take, when the ranks
+    agree."""
+    model = nn.Linear(3, 3)
+    _together()
+    counts = {"all_gather": 0, "all_gather_object": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for name in counts:
+            setattr(dist, name, counting(name))
+        opt = dopt.DSGD(model.named_parameters(), lr=0.1)
+        built = dict(counts)
+        opt.load_state_dict(opt.state_dict())
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return built, counts
+
+
+@pytest.mark.multiprocess
+def test_the_check_costs_one_all_gather_when_the_ranks_agree():
+    for built, after_load in run_world(_collectives, 2):
+        assert built == {"all_gather": 1, "all_gather_object": 0}
+        assert after_load == {"all_gather": 2, "all_gather_object": 0}
 
 
 def test_the_message_groups_ranks_and_says_what_is_missing():

@@ -190,6 +190,28 @@ def test_a_parameter_given_to_two_optimizers_is_refused_by_the_first():
     assert all(second[0] == "ok" for _, second in got)
 
 
+def _tied(rank, world_size, how):
+    torch.manual_seed(0)
+    encoder = nn.Linear(3, 4, bias=False)
+    if how == "two-parameters":  # tied as two Parameter objects over one tensor
+        decoder_weight = nn.Parameter(encoder.weight.data)
+        params = [encoder.weight, decoder_weight]
+    else:  # the same parameter twice in one group
+        params = [encoder.weight, encoder.weight]
+    return _attempt(dopt.DSGD, params, lr=0.1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["two-parameters", "twice"])
+def test_parameters_that_share_memory_are_refused_on_every_rank(how):
+    _assert_same_error(
+        run_world(_tied, 2, how),
+        "parameters 0 (shape (4, 3)) and 1 (shape (4, 3)) share memory",
+        "tie weights by sharing one Parameter",
+        kind="ValueError",
+    )
+
+
 def _optimizer_only_load(rank, world_size, ckpt_dir, unseeded):
     torch.manual_seed(0)
     model = nn.Linear(3, 2)

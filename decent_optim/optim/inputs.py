@@ -8,7 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from decent_optim.flat import FlatParams
-from decent_optim.optim.startup import Membership
+from decent_optim.optim.membership import Membership
 
 __all__ = ["check_membership", "gradients"]
 

@@ -3,12 +3,13 @@
 A collective: every rank builds its optimizer at the same point of the program. In order:
 
 1. find the process group and its size, and build the topology for it;
-2. check that the ranks agree (:func:`~decent_optim.optim.agreement.agree`: one all-gather of a
-   fixed-size digest) on everything they must share -- the optimizer class, the topology (its
-   rounds' weights), ``local_world_size``, ``global_avg_every``, ``bucket_cap_mb``, and, in
-   order, every parameter's name (when given), shape, strides, dtype, ``requires_grad`` and
-   param group, which fix the buckets -- and that none of them failed on its own, before
-   anything changes. A difference raises the same error on every rank, naming the first
+2. check that no two parameters share memory, and that the ranks agree
+   (:func:`~decent_optim.optim.agreement.agree`: one all-gather of a fixed-size digest) on
+   everything they must share -- the optimizer class and number (its place in the order this
+   process built optimizers on the group), the topology (its rounds' weights),
+   ``local_world_size``, ``global_avg_every``, ``bucket_cap_mb``, and, in order, every
+   parameter's name (when given), shape, strides, dtype, ``requires_grad`` and param group,
+   which fix the buckets -- and that none of them failed on its own, before anything changes. A difference raises the same error on every rank, naming the first
    setting or parameter that differs and the ranks on each side;
 3. pack the trainable parameters into buckets (:class:`~decent_optim.flat.FlatParams`);
 4. broadcast rank 0's values, so that every rank starts from the same :math:`x^{(0)}`.
@@ -16,8 +17,8 @@ A collective: every rank builds its optimizer at the same point of the program. 
 Optimizers sharing a process group get a *slot* each (the lowest free on every rank, agreed in
 step 2): slot 0 exchanges over the group, later ones over a group of their own and with their
 own message tags (:func:`~decent_optim.gossip.collectives.channel`), so two optimizers never
-exchange each other's buffers. A parameter belongs to one optimizer: building another on it
-hands it over, and the first one refuses to step from then on (:class:`Membership`).
+exchange each other's buffers. A parameter belongs to one optimizer
+(:mod:`decent_optim.optim.membership`).
 
 Step 4 overwrites a rank's own values. When they differed from rank 0's -- a resume that loaded
 each rank's weights into the model before building the optimizer -- they are kept aside
@@ -31,7 +32,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +51,11 @@ from decent_optim.gossip import (
     resolve_group,
 )
 from decent_optim.optim.agreement import Account, agree
+from decent_optim.optim.membership import Membership, check_untied
 from decent_optim.topologies import Topology
 
 __all__ = [
     "Connected",
-    "Membership",
     "Stash",
     "connect",
     "describe",
@@ -65,6 +65,8 @@ __all__ = [
 
 _HINTS = {
     "optimizer": "Build the same optimizer class at the same point of the program on every rank",
+    "optimizer number": "Build the same decentralized optimizers, in the same order, on every "
+    "rank (counted per process group)",
     "topology": "Pass the same topology on every rank",
     "local_world_size": "Every node must run the same number of workers (LOCAL_WORLD_SIZE, set "
     "by torchrun); or pass the same local_world_size= on every rank",
@@ -114,49 +116,6 @@ class Stash:
             with torch.no_grad():
                 for buf, own in zip(buffers, self._own):
                     buf.copy_(own)
-
-
-class Membership:
-    """An optimizer's place among the live decentralized optimizers of this process."""
-
-    _live: weakref.WeakSet[Membership] = weakref.WeakSet()
-    # id(parameter) -> the parameter and its optimizer's membership (both weakly), its name
-    _owners: dict[int, tuple[weakref.ref[Tensor], weakref.ref[Membership], str | None]] = {}
-
-    def __init__(self, name: str, group: Any, slot: int) -> None:
-        self.name, self.group, self.slot = name, group, slot
-        self.lost: str | None = None  # why this optimizer may no longer step
-
-    @classmethod
-    def slots_taken(cls, group: Any) -> int:
-        """Bit mask of the slots live optimizers of ``group`` hold in this process."""
-        return sum(1 << m.slot for m in list(cls._live) if m.group is group)
-
-    def claim(self, params: list[Tensor], names: list[str | None]) -> None:
-        """Own ``params``; an optimizer that had one of them may no longer step."""
-        type(self)._live.add(self)
-        owners = type(self)._owners
-        for p, name in zip(params, names):
-            entry = owners.get(id(p))
-            old = entry[1]() if entry is not None and entry[0]() is p else None
-            if old is not None and old is not self and old.lost is None:
-                known = entry[2] or name  # type: ignore[index]  # the old optimizer's name first
-                label = f"{known!r}" if known else f"of shape {tuple(p.shape)}"
-                old.lost = (
-                    f"its parameter {label} was given to another {self.name} built after it. A "
-                    "parameter lives in the flat buffer of one decentralized optimizer only: "
-                    "give each optimizer its own parameters (drop this optimizer if it was "
-                    "replaced)"
-                )
-            owners[id(p)] = (weakref.ref(p), weakref.ref(self), name)
-        weakref.finalize(self, _forget, owners, [id(p) for p in params])
-
-
-def _forget(owners: dict[int, tuple[Any, ...]], ids: list[int]) -> None:
-    for i in ids:
-        entry = owners.get(i)
-        if entry is not None and (entry[0]() is None or entry[1]() is None):
-            del owners[i]
 
 
 def topology_key(topo: Topology) -> str:
@@ -211,7 +170,7 @@ def connect(
             raise failure from None
         raise
     every = [p for params in groups for p in params]
-    account, topo = Account(), None
+    account, topo, number = Account(), None, Membership.number(group)
     try:
         if failure is not None:
             raise failure
@@ -221,6 +180,8 @@ def connect(
             check_devices(group, every)
         topo = topologies.get(topology, world_size, resolve_local_world_size(local_world_size))
         account = describe(groups, names, name, topo, global_avg_every, bucket_cap_mb)
+        account.settings.insert(1, ("optimizer number", str(number)))
+        check_untied(every, [label for label, _ in account.items])
         own = None
     except Exception as err:
         account.error, own = (type(err).__name__, str(err)), err
