@@ -84,8 +84,8 @@ def check_untied(params: list[Tensor], names: list[str | None]) -> None:
     spans = []
     for k, p in enumerate(params):
         if p.numel():
-            start = p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size()
-            spans.append((str(p.device), start, start + p.numel() * p.element_size(), k))
+            start = p.untyped_storage().data_ptr() + int(p.storage_offset()) * p.element_size()
+            spans.append((str(p.device), start, start + int(p.numel()) * p.element_size(), k))
     spans.sort()
     reach: tuple[str, int, int] = ("", 0, -1)  # device, end and index of the span reaching furthest
     for device, start, end, k in spans:
