@@ -84,7 +84,7 @@ def check_untied(params: list[Tensor], names: list[str | None]) -> None:
     spans = []
     for k, p in enumerate(params):
         if p.numel():
-            start = p.untyped_storage().data_ptr() + int(p.storage_offset()) * p.element_size()
+            start = p.data_ptr()  # the lowest address: dense, and strides are positive
             spans.append((str(p.device), start, start + int(p.numel()) * p.element_size(), k))
     spans.sort()
     reach: tuple[str, int, int] = ("", 0, -1)  # device, end and index of the span reaching furthest
