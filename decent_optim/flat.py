@@ -199,33 +199,38 @@ def _is_dense(p: Tensor) -> bool:
     return True
 
 
-def check_disjoint(params: Sequence[Tensor]) -> None:
+def check_disjoint(params: Sequence[Tensor], names: Sequence[str | None] = ()) -> None:
     """Raise ValueError when two parameters share memory: the buckets would untie them.
 
     torch.optim updates shared memory through each parameter in turn; here every parameter gets
     a stretch of a bucket of its own, so two parameters over one memory would silently become
     two independent copies. Weights are tied by using one ``Parameter`` in both places, which
-    the buckets keep.
+    the buckets keep. ``names`` label the parameters in the message (else position and shape).
     """
     spans = sorted(
-        (str(p.device), p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), k)
+        (str(p.device), p.data_ptr(), p.data_ptr() + int(p.numel()) * p.element_size(), k)
         for k, p in enumerate(params)
         if p.numel() and p.data_ptr()  # (meta tensors have no memory: address 0)
     )
-    for (dev_a, _, end_a, a), (dev_b, start_b, _, b) in zip(spans, spans[1:]):
-        if dev_a == dev_b and start_b < end_a:
-            pa, pb = params[a], params[b]
-            what = (
-                "the same parameter is passed twice"
-                if pa is pb
-                else f"parameters of shapes {tuple(pa.shape)} and {tuple(pb.shape)} share memory"
-            )
+    reach: tuple[str, int, int] = ("", 0, -1)  # device, end and index of the span reaching furthest
+    for device, start, end, k in spans:
+        if device == reach[0] and start < reach[1]:
+            first, second = sorted((reach[2], k))
             raise ValueError(
-                f"{what}; the optimizer gives each parameter its own place in a flat buffer, "
-                "which would untie them. Tie weights by using one Parameter in both modules "
-                "(e.g. `head.weight = embedding.weight`), pass each parameter once, or give each "
-                "its own memory with `nn.Parameter(t.clone())`"
+                f"parameters {_label(params, names, first)} and {_label(params, names, second)} "
+                "share memory (one parameter given twice, or tied weights made as two Parameter "
+                "objects over one tensor): the optimizer gives each parameter its own place in a "
+                "flat buffer, which would untie them. Pass each parameter once, tie weights by "
+                "sharing one Parameter (`head.weight = embedding.weight`), or give each its own "
+                "memory with `nn.Parameter(t.clone())`"
             )
+        if device != reach[0] or end > reach[1]:
+            reach = (device, end, k)
+
+
+def _label(params: Sequence[Tensor], names: Sequence[str | None], k: int) -> str:
+    name = names[k] if k < len(names) else None
+    return f"{k} ({name!r})" if name else f"{k} (shape {tuple(params[k].shape)})"
 
 
 def alias_of(flat: Tensor, like: Tensor, offset: int) -> Tensor:

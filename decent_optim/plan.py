@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -171,12 +172,14 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         "update_s": update,
         "allreduce_s": _allreduce_time(numel, args.reps, device, dtype),
         "gossip": {},
+        "skipped": {},
     }
     for name in args.topologies:
         try:
             topo = topologies.get(name, n, local)
-        except ValueError:
-            continue  # this world size or node layout does not fit the topology
+        except ValueError as err:  # this world size or node layout does not fit the topology
+            result["skipped"][name] = str(err)
+            continue
         result["gossip"][name] = {
             "round_s": _gossip_round_times(topo, numel, args.reps, device, dtype),
             "degrees": runtime.round_degrees(topo),
@@ -215,40 +218,88 @@ def format_table(measured: dict, rows: list[tuple[runtime.Prediction, float]]) -
         )
     best, speedup = rows[0]
     lines += ["", f"recommended: {best.method} ({speedup:.2f}x the speed of all-reduce, predicted)"]
+    lines += [f"not measured: {name} ({why})" for name, why in m.get("skipped", {}).items()]
     return "\n".join(lines)
+
+
+def _number(kind: type, low: float, strict: bool) -> Any:
+    """An argparse type: a ``kind`` number ``> low`` (``strict``) or ``>= low``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+        if not (value > low if strict else value >= low):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>' if strict else '>='} {low:g}, got {text}"
+            )
+        return value
+
+    return parse
+
+
+def _topology_name(text: str) -> str:
+    if text not in topologies.names():
+        valid = ", ".join(topologies.names())
+        raise argparse.ArgumentTypeError(f"unknown topology {text!r}; valid names are {valid}")
+    return text
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m decent_optim.plan", description=__doc__.splitlines()[0]
     )
+    positive_int, positive = _number(int, 0, True), _number(float, 0, True)
     p.add_argument(
-        "--params", type=float, default=10e6, help="model size in parameters (default 10M)"
+        "--params", type=positive, default=10e6, help="model size in parameters (default 10M)"
     )
-    p.add_argument("--layers", type=int, default=4, help="square layers of the synthetic workload")
     p.add_argument(
-        "--batch", type=int, default=64, help="rows per forward of the synthetic workload"
+        "--layers", type=positive_int, default=4, help="square layers of the synthetic workload"
+    )
+    p.add_argument(
+        "--batch", type=positive_int, default=64, help="rows per forward of the synthetic workload"
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--iters", type=int, default=10, help="timed compute iterations per rank")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions of each communication")
-    p.add_argument("--compute-ms", type=float, default=None, help="use this compute time instead")
-    p.add_argument("--compute-std-ms", type=float, default=0.0)
+    p.add_argument(
+        "--iters", type=positive_int, default=10, help="timed compute iterations per rank"
+    )
+    p.add_argument(
+        "--reps", type=positive_int, default=3, help="timed repetitions of each communication"
+    )
+    p.add_argument(
+        "--compute-ms", type=positive, default=None, help="use this compute time instead"
+    )
+    p.add_argument("--compute-std-ms", type=_number(float, 0, False), default=0.0)
     p.add_argument(
         "--overlap",
-        type=float,
+        type=_number(float, 0, False),
         default=1.0,
         help="fraction of DDP's all-reduce that can hide behind backward (default 1)",
     )
-    p.add_argument("--topologies", nargs="+", default=topologies.names())
+    p.add_argument(
+        "--topologies",
+        nargs="+",
+        type=_topology_name,
+        default=topologies.names(),
+        help=f"topologies to measure (default: all that fit: {', '.join(topologies.names())})",
+    )
     p.add_argument("--json", default=None, help="also write the measurements and predictions here")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if not 0 <= args.overlap <= 1:
-        raise SystemExit(f"--overlap must be in [0, 1], got {args.overlap}")
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.overlap > 1:
+        parser.error(f"argument --overlap: must be in [0, 1], got {args.overlap:g}")
+    if args.params < args.layers:
+        parser.error(
+            f"argument --params: the workload needs at least one parameter per layer, got "
+            f"--params {args.params:g} for --layers {args.layers}"
+        )
     if "RANK" not in os.environ:
         raise SystemExit(
             "run me under torchrun, e.g. torchrun --nproc-per-node 2 -m decent_optim.plan"

@@ -18,6 +18,11 @@ from pathlib import Path
 
 import pytest
 
+# the study's digits task loads scikit-learn's data set and its report draws with matplotlib (both
+# in the "test" extra): without them it cannot run, which is a reason to skip, not a failure
+pytest.importorskip("sklearn", reason="the convergence study needs scikit-learn (the test extra)")
+pytest.importorskip("matplotlib", reason="the convergence study needs matplotlib (the test extra)")
+
 REPO = Path(__file__).resolve().parent.parent
 STEPS, EVAL_EVERY = 24, 12
 

@@ -165,8 +165,8 @@ def test_empty_parameters_take_no_memory_of_the_bucket():
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda p: [p, p], "the same parameter is passed twice"),
-        (lambda p: [p, nn.Parameter(p.data)], r"shapes \(4,\) and \(4,\) share memory"),
+        (lambda p: [p, p], r"parameters 0 \(shape \(4,\)\) and 1 \(shape \(4,\)\) share memory"),
+        (lambda p: [p, nn.Parameter(p.data)], r"0 \(shape \(4,\)\) and 1 \(shape \(4,\)\) share"),
         (lambda p: [nn.Parameter(p.data[:3]), nn.Parameter(p.data[2:])], "share memory"),
     ],
     ids=["twice", "same-memory", "overlap"],
@@ -174,6 +174,13 @@ def test_empty_parameters_take_no_memory_of_the_bucket():
 def test_parameters_sharing_memory_are_refused(make, match):
     with pytest.raises(ValueError, match=match):
         check_disjoint(make(nn.Parameter(torch.zeros(4))))
+
+
+def test_parameters_sharing_memory_are_named_when_names_are_given():
+    base = torch.zeros(6)
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(base[:4]), nn.Parameter(base[3:])]
+    with pytest.raises(ValueError, match=r"parameters 1 \('b'\) and 2 \('c'\) share memory"):
+        check_disjoint(params, ["a", "b", "c"])
 
 
 def test_disjoint_views_of_one_tensor_may_be_parameters():

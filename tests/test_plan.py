@@ -58,3 +58,38 @@ def test_predictions_from_a_measurement_dict():
     assert [p.method for p, _ in rows] == ["ring", "all-reduce"]
     assert rows[0][1] == pytest.approx(3.5)
     assert "recommended: ring" in plan.format_table(measured, rows)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--params", "-5"], "argument --params: must be > 0, got -5"),
+        (["--layers", "0"], "argument --layers: must be > 0, got 0"),
+        (["--iters", "0"], "argument --iters: must be > 0, got 0"),
+        (["--reps", "1.5"], "argument --reps: expected a number, got '1.5'"),
+        (["--params", "nan"], "argument --params: must be finite, got nan"),
+        (["--overlap", "2"], "argument --overlap: must be in [0, 1], got 2"),
+        (["--params", "3", "--layers", "4"], "at least one parameter per layer"),
+        (
+            ["--topologies", "ring", "star"],
+            "argument --topologies: unknown topology 'star'; valid names are complete, ring",
+        ),
+    ],
+)
+def test_bad_arguments_get_a_usage_error_not_a_traceback(argv, message, monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)  # the arguments are checked before anything else
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_topologies_that_do_not_fit_are_named_in_the_table():
+    measured = {
+        "world_size": 3, "local_world_size": 1, "backend": "gloo", "params": 10, "bytes": 40,
+        "compute_mean_s": 0.1, "compute_std_s": 0.0, "backward_fraction": 0.5, "update_s": 0.0,
+        "allreduce_s": 0.3, "gossip": {"ring": {"round_s": [0.05, 0.05], "degrees": [1, 1]}},
+        "skipped": {"one-peer-exp": "one-peer-exp needs a power-of-two world size, got 3"},
+    }  # fmt: skip
+    table = plan.format_table(measured, plan.predict(measured, overlap=1.0))
+    assert "not measured: one-peer-exp (one-peer-exp needs a power-of-two world size" in table

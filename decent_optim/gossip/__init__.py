@@ -33,8 +33,11 @@ Module map: :mod:`~decent_optim.gossip.handle` (a round in flight, timeouts),
 
 from decent_optim.gossip.collectives import (
     broadcast_,
-    check_same_parameters,
+    channel,
+    check_devices,
     comm_device,
+    gather_ints,
+    gather_objects,
     resolve_group,
 )
 from decent_optim.gossip.gossiper import TRANSPORTS, Gossiper, LocalGossiper
@@ -48,7 +51,10 @@ __all__ = [
     "LocalGossiper",
     "PendingMix",
     "broadcast_",
-    "check_same_parameters",
+    "channel",
+    "check_devices",
     "comm_device",
+    "gather_ints",
+    "gather_objects",
     "resolve_group",
 ]

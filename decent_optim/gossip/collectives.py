@@ -7,7 +7,6 @@ measurements of :mod:`decent_optim.plan` reach :mod:`torch.distributed` only thr
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,9 +18,12 @@ __all__ = [
     "all_reduce_",
     "barrier",
     "broadcast_",
-    "check_same_parameters",
+    "channel",
+    "check_devices",
     "comm_device",
     "gather_floats",
+    "gather_ints",
+    "gather_objects",
     "group_info",
     "init_from_environment",
     "resolve_group",
@@ -41,6 +43,12 @@ def resolve_group(process_group: Any) -> tuple[Any, int]:
         _check_alone()
         return None, 1
     group = process_group if process_group is not None else dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(
+            f"process_group does not contain this process (global rank {dist.get_rank()}); build "
+            "the optimizer only on the ranks of its group (dist.new_group returns a placeholder "
+            "on the other ranks), or pass a group this rank belongs to"
+        )
     return group, dist.get_world_size(group)
 
 
@@ -59,48 +67,70 @@ def _check_alone() -> None:
         )
 
 
-def comm_device(group: Any, params: list[Tensor]) -> torch.device:
-    """The device the group's backend exchanges tensors on; raises if ``params`` live elsewhere."""
+def comm_device(group: Any) -> torch.device:
+    """The device the group's backend exchanges tensors on."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_devices(group: Any, params: list[Tensor]) -> None:
+    """Raise if the group's backend cannot exchange tensors on the devices of ``params``."""
     backend = dist.get_backend(group)
     devices = {p.device.type for p in params}
-    if backend == "nccl":
-        if devices - {"cuda"}:
-            raise ValueError(
-                f"the NCCL backend exchanges CUDA tensors only, but parameters are on {sorted(devices)}; "
-                "move the model to the GPU before building the optimizer, or use gloo"
-            )
-        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "nccl" and devices - {"cuda"}:
+        raise ValueError(
+            f"the NCCL backend exchanges CUDA tensors only, but parameters are on {sorted(devices)}; "
+            "move the model to the GPU before building the optimizer, or use gloo"
+        )
     if backend == "gloo" and devices - {"cpu"}:
         raise ValueError(
             f"the gloo backend sends CPU tensors only, but parameters are on {sorted(devices)}; "
             "use the NCCL backend for GPU training"
         )
-    return torch.device("cpu")
 
 
-def check_same_parameters(params: list[Tensor], group: Any, device: torch.device) -> None:
-    """All-gather a fingerprint of the parameter shapes and dtypes; raise on any difference."""
-    desc = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
-    mine = torch.tensor(
-        [len(params), sum(p.numel() for p in params), zlib.crc32(desc.encode())],
-        dtype=torch.int64,
-        device=device,
-    )
-    world = dist.get_world_size(group)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
+def gather_ints(values: list[int], group: Any, device: torch.device) -> list[list[int]]:
+    """Every rank's ``values`` (as many on every rank), by group rank: one all-gather."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    rows = [tuple(int(v) for v in t.tolist()) for t in everyone]
-    differ = [r for r in range(world) if rows[r] != rows[0]]
-    if differ:
-        detail = ", ".join(
-            f"rank {r}: {rows[r][0]} tensors / {rows[r][1]} elements" for r in [0, *differ]
-        )
-        same_sizes = len({r[:2] for r in rows}) == 1
-        raise ValueError(
-            "the parameters differ across ranks (shapes or dtypes); every rank must build the same "
-            f"model before the optimizer. {detail}"
-            + (" (same sizes, different shapes or dtypes)" if same_sizes else "")
-        )
+    return [[int(v) for v in t.tolist()] for t in everyone]
+
+
+def gather_objects(obj: Any, group: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, by group rank (for messages: slower than gather_ints)."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone
+
+
+#: a process group of the whole world per optimizer slot >= 1 (see :func:`channel`)
+_CHANNELS: dict[int, Any] = {}
+
+
+def channel(group: Any, slot: int) -> Any:
+    """The process group optimizer number ``slot`` of ``group`` exchanges over.
+
+    Optimizer 0 uses ``group`` itself. Every further optimizer that lives at the same time gets
+    a group of its own with the same ranks, so that its collectives (all-reduce rounds, global
+    averages) and sends can never be matched with another optimizer's, whatever order the
+    ranks step them in. Such a group can only be created when ``group`` is the whole world
+    (``new_group`` is a collective of every process): on a smaller group the optimizers share
+    it, their point-to-point messages are told apart by tag, and their collectives follow the
+    order of the steps. Groups are kept per slot and reused by the next optimizer in that slot.
+    """
+    if slot == 0 or dist.get_world_size(group) != dist.get_world_size():
+        return group
+    made = _CHANNELS.get(slot)
+    if made is not None:
+        try:
+            dist.get_process_group_ranks(made)
+            return made
+        except KeyError:  # destroyed since (with the world, or by its creator)
+            pass
+    made = _CHANNELS[slot] = dist.new_group(dist.get_process_group_ranks(group))
+    return made
 
 
 def broadcast_(tensors: Sequence[Tensor], group: Any) -> None:

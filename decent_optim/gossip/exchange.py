@@ -35,6 +35,9 @@ class Link:
         rank, world_size: this rank's place in ``group`` and the group's size.
         global_ranks: the world rank of every group rank (point-to-point ops address them).
         timeout: how long a handle waits before raising :class:`GossipError`.
+        first_tag: the tag of bucket 0's point-to-point messages; bucket ``b`` uses
+            ``first_tag + b``. Optimizers sharing a process group use disjoint ranges, so a
+            message of one can never be received into a buffer of another.
     """
 
     def __init__(
@@ -44,10 +47,11 @@ class Link:
         world_size: int,
         global_ranks: list[int],
         timeout: datetime.timedelta | None,
+        first_tag: int = 0,
     ) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
         self.global_ranks = global_ranks
-        self.timeout = timeout
+        self.timeout, self.first_tag = timeout, first_tag
         self._slots: dict[int, list[Tensor]] = {}  # in-neighbour slot -> one buffer per bucket
         self._in_flight = False  # a round holds the receive buffers (started, not yet mixed)
 

@@ -18,6 +18,8 @@ from decent_optim.topologies import Topology
 __all__ = ["TRANSPORTS", "Gossiper", "LocalGossiper"]
 
 TRANSPORTS = ("auto", "p2p", "allreduce")
+#: point-to-point tags per optimizer slot (so at most this many buckets per optimizer)
+TAGS_PER_SLOT = 1 << 20
 
 
 class LocalGossiper:
@@ -58,6 +60,9 @@ class Gossiper:
         timeout: how long :meth:`GossipHandle.wait` waits for a round before raising
             :class:`GossipError` naming the round and the peers; ``None`` waits as long as the
             process group allows.
+        slot: which of the optimizers sharing ``group`` this gossiper serves (0 for the first);
+            its point-to-point messages carry tags of their own (see
+            :func:`~decent_optim.gossip.collectives.channel` for the collectives).
 
     Sub-groups for all-reduce are created here, collectively: every rank of ``group`` must
     build its ``Gossiper`` at the same point of the program.
@@ -69,6 +74,7 @@ class Gossiper:
         group: Any = None,
         transport: str = "auto",
         timeout: datetime.timedelta | None = None,
+        slot: int = 0,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -87,7 +93,9 @@ class Gossiper:
                         f"{topology!r} has arbitrary weights; use 'p2p' or 'auto'"
                     )
         global_ranks = [dist.get_global_rank(group, r) for r in range(world_size)]
-        self._link = Link(group, dist.get_rank(group), world_size, global_ranks, timeout)
+        self._link = Link(
+            group, dist.get_rank(group), world_size, global_ranks, timeout, slot * TAGS_PER_SLOT
+        )
         self.topology, self.transport, self.timeout = topology, transport, timeout
         self.group, self.rank, self.world_size = group, self._link.rank, world_size
         subgroups = self._create_subgroups()

@@ -45,13 +45,21 @@ class PointToPoint(Exchange):
             for slot, peer in enumerate(sources):
                 ops.append(
                     dist.P2POp(
-                        dist.irecv, received[slot][b], link.global_ranks[peer], link.group, tag=b
+                        dist.irecv,
+                        received[slot][b],
+                        link.global_ranks[peer],
+                        link.group,
+                        tag=link.first_tag + b,
                     )
                 )
                 peers.append(peer)
         for b, buf in enumerate(buffers):
             for peer in self.topology.out_peers(rank, step):
-                ops.append(dist.P2POp(dist.isend, buf, link.global_ranks[peer], link.group, tag=b))
+                ops.append(
+                    dist.P2POp(
+                        dist.isend, buf, link.global_ranks[peer], link.group, tag=link.first_tag + b
+                    )
+                )
                 peers.append(peer)
         works: list[tuple[Any, int | None]] = []
         if ops:

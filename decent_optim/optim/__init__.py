@@ -5,6 +5,8 @@ module                                         what it does
 =============================================  ==============================================
 :mod:`~decent_optim.optim.engine`              the round machinery around an update rule
 :mod:`~decent_optim.optim.startup`             process group, topology, buckets, equal starts
+:mod:`~decent_optim.optim.agreement`           what the ranks must agree on; one error for all
+:mod:`~decent_optim.optim.membership`          which optimizer owns a parameter; its channel
 :mod:`~decent_optim.optim.rounds`              the round in flight and the round counter
 :mod:`~decent_optim.optim.state`               ``opt.state`` in flat buffers; the batches
 :mod:`~decent_optim.optim.watched`             dicts that report writes

@@ -65,17 +65,12 @@ class AccumAdam(DecentralizedOptimizer):
         decoupled_weight_decay: bool = False,
         **options: Unpack[Options],
     ) -> None:
-        check_accum_iter(accum_iter)
-        decoupled = decoupled_weight_decay
-        hyper = adam_hyper(
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            amsgrad,
-            accum_iter=accum_iter,
-            decoupled_weight_decay=decoupled,
-        )
+        def hyper() -> dict[str, object]:
+            check_accum_iter(accum_iter)
+            decoupled = decoupled_weight_decay
+            more = dict(accum_iter=accum_iter, decoupled_weight_decay=decoupled)
+            return adam_hyper(lr, betas, eps, weight_decay, amsgrad, **more)
+
         super().__init__(params, hyper, **options)
 
 

@@ -1,10 +1,18 @@
 """Checkpoints: torch.optim's ``state_dict`` format plus a ``"decent_optim"`` entry.
 
-The entry holds the round counter (``step``: completed steps, the same on every rank) and whether
-a round was in flight (``pending``). A round in flight is not waited for when saving: the model
-holds the rank's unmixed values, and the first step after loading runs that round again before
-it mixes, which reproduces the uninterrupted run bit for bit (all ranks resume together, so
-their sends match).
+The entry holds the round counter (``step``: completed steps, the same on every rank), whether
+a round was in flight (``pending``), and what the file belongs to: the ``world_size``, the
+``rank`` that saved it, the ``topology`` (name, period and a hash of its weights) and a
+fingerprint of the parameters saved with it (``params``: sum and norm per bucket). A round in
+flight is not waited for when saving: the model holds the rank's unmixed values, and the first
+step after loading runs that round again before it mixes, which reproduces the uninterrupted
+run bit for bit (all ranks resume together, so their sends match).
+
+Loading is a collective (:func:`agree_to_load`): before anything changes, each rank checks its
+file on its own -- torch.optim's structure, every state tensor's shape, every step count, and
+that the file is its own (same world size, rank and topology) -- and then one all-gather
+compares the round (counter and round in flight) across the ranks. Any problem raises the same
+error on every rank, naming the ranks, instead of a late gossip error on some of them.
 
 Without the entry -- a torch.optim checkpoint, e.g. from DDP training -- the counter is the
 largest per-parameter ``step`` in the state, or 0, which every rank loading the same file agrees
@@ -13,28 +21,183 @@ on, and no round is in flight.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from torch import Tensor
 from torch.optim import Optimizer
 
-from decent_optim.optim.rounds import Rounds
+from decent_optim.optim.agreement import Account, agree
+from decent_optim.optim.startup import fingerprint, topology_key
+from decent_optim.optim.state import _step_count  # the one rule for a valid step count
 
-__all__ = ["KEY", "rounds_of", "save"]
+if TYPE_CHECKING:
+    from decent_optim.optim.engine import DecentralizedOptimizer
+
+__all__ = ["KEY", "Resume", "agree_to_load", "load", "save"]
 
 KEY = "decent_optim"
 
+_HINTS = {
+    "the round": "Every rank must load a checkpoint saved at the same step: save on every rank "
+    "at the same step (not only where the loss improved), and call synchronize() before saving "
+    "on every rank or on none",
+}
 
-def save(optimizer: Optimizer, rounds: Rounds) -> dict[str, Any]:
+
+def save(optimizer: DecentralizedOptimizer) -> dict[str, Any]:
     """``optimizer``'s torch.optim state dict, with plain dicts as state, plus the entry."""
     packed = Optimizer.state_dict(optimizer)
     packed["state"] = {k: dict(v) for k, v in packed["state"].items()}
-    packed[KEY] = {"step": rounds.count, "pending": rounds.in_flight}
+    rounds = optimizer._rounds
+    packed[KEY] = {
+        "step": rounds.count,
+        "pending": rounds.in_flight,
+        "world_size": optimizer.world_size,
+        "rank": optimizer.rank,
+        "topology": topology_key(optimizer.topology),
+        "params": [list(pair) for pair in fingerprint(optimizer._flat.buffers)],
+    }
     return packed
 
 
-def rounds_of(extra: dict[str, Any] | None, state: dict[Any, dict[str, Any]]) -> tuple[int, bool]:
-    """``(round counter, round in flight)`` of a loaded checkpoint (see the module docstring)."""
-    if extra is not None:
-        return int(extra["step"]), bool(extra.get("pending", False))
-    steps = [float(s["step"]) for s in state.values() if "step" in s]
-    return int(max(steps, default=0)), False
+def load(optimizer: DecentralizedOptimizer, state_dict: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict``: check (:func:`agree_to_load`), then load, then resume."""
+    optimizer._rounds.check_free("load_state_dict()")
+    state_dict = dict(state_dict)
+    extra = state_dict.pop(KEY, None)
+    resume = agree_to_load(optimizer, state_dict, extra, *optimizer._where)
+    Optimizer.load_state_dict(optimizer, state_dict)
+    for group in optimizer.param_groups:  # keys a checkpoint of an older version lacks
+        for key, value in optimizer.defaults.items():
+            group.setdefault(key, value)
+    flat_state = optimizer._flat_state
+    optimizer.state = flat_state.wrap(optimizer.state)
+    optimizer._rounds.reset(resume.count, resume.pending)
+    flat_state.rebind(optimizer.state, optimizer.param_groups)
+    stash, optimizer._stash = optimizer._stash, None
+    if stash is not None:  # the model was loaded before the optimizer was built
+        stash.restore(optimizer._flat.buffers, resume.params)
+
+
+@dataclass
+class Resume:
+    """What a checkpoint says about the rounds: where to continue, and the saved weights."""
+
+    count: int
+    pending: bool
+    params: list[Any] | None  # the fingerprint of the parameters saved with it
+
+
+def agree_to_load(
+    optimizer: DecentralizedOptimizer,
+    state_dict: dict[str, Any],
+    extra: Any,
+    group: Any,
+    device: Any,
+) -> Resume:
+    """Check a checkpoint on every rank and across the ranks (module docstring); raises the same
+    error on every rank. ``group`` None: a world of one."""
+    account, own, resume = Account(), None, Resume(0, False, None)
+    try:
+        _check_structure(optimizer, state_dict)
+        resume = _read(extra, state_dict)
+        _check_owner(optimizer, extra)
+        flight = "a round in flight" if resume.pending else "no round in flight"
+        account.settings = [("the round", f"{resume.count} steps done, {flight}")]
+    except Exception as err:
+        account.error, own = (type(err).__name__, str(err)), err
+    name = type(optimizer).__name__
+    agree(account, group, device, f"{name}.load_state_dict", own=own, hints=_HINTS)
+    return resume
+
+
+def _read(extra: Any, state_dict: dict[str, Any]) -> Resume:
+    if extra is None:
+        steps = [float(s["step"]) for s in state_dict["state"].values() if "step" in s]
+        return Resume(int(max(steps, default=0)), False, None)
+    if not isinstance(extra, dict):
+        raise ValueError(
+            f"state_dict[{KEY!r}] must be the dict DecentralizedOptimizer.state_dict() saved, got "
+            f"{type(extra).__name__}; remove the entry to load the rest as a torch.optim checkpoint"
+        )
+    if "step" not in extra:
+        raise ValueError(
+            f"state_dict[{KEY!r}] has no 'step' (the number of completed steps), so it was not "
+            "saved by DecentralizedOptimizer.state_dict(); remove the entry to load the rest as a "
+            "torch.optim checkpoint"
+        )
+    step, pending = extra["step"], extra.get("pending", False)
+    count = step.item() if isinstance(step, Tensor) and step.numel() == 1 else step
+    if isinstance(count, bool) or not isinstance(count, (int, float)):
+        count = -1.0
+    if not (math.isfinite(count) and count >= 0 and count == int(count)):
+        raise ValueError(
+            f"state_dict[{KEY!r}]['step'] must count the completed steps (a whole number >= 0), "
+            f"got {step!r}"
+        )
+    if not isinstance(pending, bool):
+        raise ValueError(f"state_dict[{KEY!r}]['pending'] must be a bool, got {pending!r}")
+    params = extra.get("params")
+    return Resume(int(count), pending, params if isinstance(params, list) else None)
+
+
+def _check_owner(optimizer: DecentralizedOptimizer, extra: Any) -> None:
+    """Raise if the checkpoint was saved by another world size, rank or topology."""
+    if extra is None:
+        return
+    fix = f"(or, to do so on purpose, delete that key from state_dict[{KEY!r}])"
+    saved = extra.get("world_size")
+    if saved is not None and saved != optimizer.world_size:
+        raise ValueError(
+            f"the checkpoint was saved by a run of {saved} ranks, this one has "
+            f"{optimizer.world_size}: resume with the world size it was saved with {fix}"
+        )
+    saved = extra.get("rank")
+    if saved is not None and saved != optimizer.rank:
+        raise ValueError(
+            f"rank {optimizer.rank} loaded the checkpoint saved by rank {saved}: every rank loads "
+            f"the file it saved (e.g. f'ckpt-rank{{rank}}.pt') {fix}"
+        )
+    saved, mine = extra.get("topology"), topology_key(optimizer.topology)
+    if saved is not None and saved != mine:
+        raise ValueError(
+            f"the checkpoint was saved with topology {saved}, this optimizer has {mine}: build it "
+            f"with the topology of the saved run {fix}"
+        )
+
+
+def _check_structure(optimizer: DecentralizedOptimizer, state_dict: dict[str, Any]) -> None:
+    """torch.optim's checks of the groups, and every state tensor's shape and step count."""
+    if not isinstance(state_dict.get("state"), dict) or "param_groups" not in state_dict:
+        raise ValueError(
+            "an optimizer state dict must have 'state' (a dict) and 'param_groups', as "
+            "torch.optim's state_dict() returns; got the keys "
+            f"{sorted(map(str, state_dict))}"
+        )
+    saved_groups, groups = state_dict["param_groups"], optimizer.param_groups
+    if len(saved_groups) != len(groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    rule = optimizer.rule
+    for saved, group in zip(saved_groups, groups):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of "
+                "optimizer's group"
+            )
+        names = group.get("param_names") or [None] * len(group["params"])
+        keys = rule.keys({**group, **saved})
+        for index, p, name in zip(saved["params"], group["params"], names):
+            entry = state_dict["state"].get(index, {})
+            who = f"{name!r}" if name else f"of shape {tuple(p.shape)}"
+            for key in keys:
+                value = entry.get(key)
+                if value is not None and (not isinstance(value, Tensor) or value.shape != p.shape):
+                    got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                    raise ValueError(
+                        f"optimizer state {key!r} of the parameter {who} must be a tensor of "
+                        f"shape {tuple(p.shape)}, got {got}"
+                    )
+            if rule.counts_steps and "step" in entry:
+                _step_count(entry["step"], p)

@@ -23,19 +23,23 @@ def averaged(
     rounds: Rounds, buffers: list[Tensor], module: torch.nn.Module | None
 ) -> Iterator[None]:
     """Replace ``buffers`` (and ``module``'s float buffers) by their mean; restore them on exit."""
+    rounds.check_free("opt.averaged()")
     rounds.wait()
     tensors = list(buffers)
     if module is not None:
         tensors += [b for b in module.buffers() if b.is_floating_point()]
     backup = [t.detach().clone() for t in tensors]
+    rounds.held_by = "opt.averaged()"
     try:
         with torch.no_grad():
             rounds.gossip.average_([t.detach() for t in tensors])
         yield
     finally:
+        rounds.held_by = None
         with torch.no_grad():
             for t, saved in zip(tensors, backup):
                 t.copy_(saved)
+        rounds.record_versions()  # what the block wrote is undone: nothing raced
 
 
 def distance(rounds: Rounds, buffers: list[Tensor]) -> float:

@@ -61,9 +61,12 @@ class DecentralizedAdam(DecentralizedOptimizer):
         decoupled_weight_decay: bool = False,
         **options: Unpack[Options],
     ) -> None:
-        hyper = adam_hyper(
-            lr, betas, eps, weight_decay, amsgrad, decoupled_weight_decay=decoupled_weight_decay
-        )
+        def hyper() -> dict[str, object]:
+            decoupled = decoupled_weight_decay
+            return adam_hyper(
+                lr, betas, eps, weight_decay, amsgrad, decoupled_weight_decay=decoupled
+            )
+
         super().__init__(params, hyper, **options)
 
 

@@ -56,10 +56,11 @@ class DSGD(DecentralizedOptimizer):
         nesterov: bool = False,
         **options: Unpack[Options],
     ) -> None:
-        check_lr(lr)
-        check_momentum(momentum, dampening, nesterov)
-        check_weight_decay(weight_decay)
-        hyper = dict(lr=lr, momentum=momentum, dampening=dampening)
-        super().__init__(
-            params, {**hyper, "weight_decay": weight_decay, "nesterov": nesterov}, **options
-        )
+        def hyper() -> dict[str, object]:
+            check_lr(lr)
+            check_momentum(momentum, dampening, nesterov)
+            check_weight_decay(weight_decay)
+            more = dict(weight_decay=weight_decay, nesterov=nesterov)
+            return dict(lr=lr, momentum=momentum, dampening=dampening, **more)
+
+        super().__init__(params, hyper, **options)

@@ -25,7 +25,7 @@ from decent_optim._validation import (
 )
 from decent_optim.gossip.handle import NO_MIX
 from decent_optim.optim import checkpoint, consensus
-from decent_optim.optim.inputs import gradients
+from decent_optim.optim.inputs import check_membership, gradients
 from decent_optim.optim.options import ParamsT, with_defaults
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.startup import connect
@@ -64,11 +64,14 @@ class DecentralizedOptimizer(Optimizer):
 
     The state lives in flat buffers per bucket; ``opt.state[p]`` holds views of them, and state
     written through ``opt.state`` (by hand, or by ``load_state_dict``) is copied in before the
-    next update (:mod:`decent_optim.optim.state`). Checkpoints: see :meth:`state_dict`.
+    next update (:mod:`decent_optim.optim.state`). Checkpoints: see :meth:`state_dict`. Building
+    one is a collective that checks the ranks agree (:mod:`decent_optim.optim.startup`); several
+    may share a process group and be stepped in any order, but a parameter belongs to one.
 
     Args:
         params: parameters or param groups, as for torch.optim.
-        defaults: the algorithm's hyper-parameters (a subclass passes them).
+        defaults: the algorithm's hyper-parameters (a subclass passes them), or a function that
+            checks and returns them: it runs where an error reaches every rank.
         topology: a name (``"complete"``, ``"ring"``, ``"one-peer-exp"``,
             ``"alternating-exp-ring"``) or a :class:`~decent_optim.Topology`.
         process_group: the workers that gossip (default: the world group).
@@ -106,7 +109,7 @@ class DecentralizedOptimizer(Optimizer):
     def __init__(
         self,
         params: ParamsT,
-        defaults: dict[str, Any],
+        defaults: dict[str, Any] | Callable[[], dict[str, Any]],
         *,
         topology: str | Topology = "ring",
         process_group: Any = None,
@@ -120,28 +123,41 @@ class DecentralizedOptimizer(Optimizer):
         differentiable: bool = False,
         fused: bool | None = None,
     ) -> None:
-        check_unsupported(type(self).__name__, capturable=capturable, differentiable=differentiable)
-        check_decentralized(topology, bucket_cap_mb, local_world_size)
-        wait_limit = check_timeout(timeout)
-        check_global_avg_every(global_avg_every)
-        flags = dict(maximize=maximize, foreach=foreach, fused=fused)
-        flags.update(capturable=False, differentiable=False)
+        failure = None
         self._building = True
-        super().__init__(params, {**defaults, **{k: flags[k] for k in self.rule.flags}})
+        try:  # a rank that fails alone must tell the others, which would wait for it at start-up
+            check_unsupported(
+                type(self).__name__, capturable=capturable, differentiable=differentiable
+            )
+            check_decentralized(topology, bucket_cap_mb, local_world_size)
+            wait_limit = check_timeout(timeout)
+            check_global_avg_every(global_avg_every)
+            flags = dict(maximize=maximize, foreach=foreach, fused=fused)
+            flags.update(capturable=False, differentiable=False)
+            hyper = defaults() if callable(defaults) else defaults
+            super().__init__(params, {**hyper, **{k: flags[k] for k in self.rule.flags}})
+        except Exception as err:
+            failure, wait_limit, self.param_groups = err, None, []
         self._building = False
         start = connect(
             [g["params"] for g in self.param_groups],
+            [g.get("param_names") for g in self.param_groups],
+            name=type(self).__name__,
+            failure=failure,
             topology=topology,
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
             local_world_size=local_world_size,
             timeout=wait_limit,
+            global_avg_every=global_avg_every,
         )
-        self.topology = start.topology
+        self.topology, self._member = start.topology, start.member
+        self._where = (start.group, start.device)  # of load_state_dict's cross-check
         self._flat, self._frozen, self._stash = start.flat, start.frozen, start.stash
         self._rounds = Rounds(start.gossip, start.flat, global_avg_every)
         self._flat_state = FlatState(start.flat.buckets, self.rule)
         self.state = self._flat_state.wrap(self.state)
+        self._group_params = [list(g["params"]) for g in self.param_groups]
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -165,6 +181,7 @@ class DecentralizedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        check_membership(self._member, self.param_groups, self._group_params)
         self._readopt()
         grads = gradients(
             self._flat,
@@ -199,7 +216,9 @@ class DecentralizedOptimizer(Optimizer):
         """Wait for the gossip in flight and mix it into the parameters.
 
         Afterwards the parameters are final for the current step: what the next :meth:`step`
-        would have mixed in is already in. Cheap when nothing is in flight.
+        would have mixed in is already in. Cheap when nothing is in flight. Call it before
+        writing parameters in place between steps (weight clipping, ``p.copy_``): a write while
+        the round is in flight raises at the next step (:mod:`decent_optim.optim.rounds`).
         """
         self._readopt()
         self._rounds.synchronize()
@@ -213,7 +232,8 @@ class DecentralizedOptimizer(Optimizer):
         for (its values are kept to be mixed by the next :meth:`step`), the parameters are
         replaced by their mean over all ranks and, when ``module`` is given, so are its
         floating-point buffers (e.g. BatchNorm running statistics). On exit every value is
-        restored bit for bit, so training continues as if the block never ran.
+        restored bit for bit, so training continues as if the block never ran; :meth:`step`,
+        :meth:`synchronize` and :meth:`load_state_dict` raise inside it, which would undo them.
 
         Example:
             >>> with opt.averaged(model):  # doctest: +SKIP
@@ -251,41 +271,36 @@ class DecentralizedOptimizer(Optimizer):
         super().add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim's format plus ``"decent_optim": {"step": rounds, "pending": in_flight}``.
+        """torch.optim's format plus a ``"decent_optim"`` entry: the round counter, whether a
+        round is in flight, and what the file belongs to (world size, rank, topology, a
+        fingerprint of the parameters); see :mod:`decent_optim.optim.checkpoint`.
 
         Does not wait for the round in flight: the first :meth:`step` after
-        :meth:`load_state_dict` runs it again (see :mod:`decent_optim.optim.checkpoint`).
+        :meth:`load_state_dict` runs it again.
         """
-        return checkpoint.save(self, self._rounds)
+        return checkpoint.save(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch.optim-format state; the round counter comes from the ``decent_optim`` entry.
 
-        Without that entry (a torch.optim checkpoint, e.g. from DDP training) the counter is the
-        largest per-parameter ``step`` in the state, or 0, which every rank loading the same
-        file agrees on, and no round is in flight. Works in both orders of resuming: build the
-        optimizer, then load model and optimizer state; or load the model's (per-rank) weights,
-        build the optimizer, then load its state -- the start-up broadcast does not overwrite
-        the weights being resumed.
+        A collective: every rank loads its own file at the same point. Before anything changes
+        the ranks check their files and compare the rounds they were saved at; a file of
+        another rank, world size or topology, or files of different steps, raise the same
+        error on every rank. Without the entry (a torch.optim checkpoint, e.g. from DDP
+        training) the counter is the largest per-parameter ``step`` in the state, or 0, and no
+        round is in flight. Works in both orders of resuming: build the optimizer, then load
+        model and optimizer state; or load the model's (per-rank) weights, build the optimizer,
+        then load its state -- the rank's weights replace the start-up broadcast again when
+        they are the ones saved with this checkpoint.
         """
-        state_dict = dict(state_dict)
-        extra = state_dict.pop(checkpoint.KEY, None)
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:  # keys a checkpoint of an older version lacks
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
-        self.state = self._flat_state.wrap(self.state)
-        self._rounds.reset(*checkpoint.rounds_of(extra, self.state))
-        self._flat_state.rebind(self.state, self.param_groups)
-        stash, self._stash = self._stash, None
-        if stash is not None:  # the model was loaded before the optimizer was built
-            stash.restore(self._flat.buffers)
+        checkpoint.load(self, state_dict)
 
     def _readopt(self) -> None:
         """Take back parameters moved with ``.to()`` or given new ``.data`` (see :mod:`~decent_optim.flat`)."""
         if self._flat.moved():
-            self._rounds.wait()  # its sends read the old values; the new ones are mixed
+            self._rounds.wait(check_writes=False)  # its sends read the old memory, unwritten
             self._flat.readopt(type(self).__name__)
+            self._rounds.record_versions()  # the versions of the memory taken back
 
     def __del__(self) -> None:
         # Finish a round still in flight before its buffers and handles go away: gloo aborts

@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
+import operator
+from typing import Any
+
 from torch import Tensor
 
 from decent_optim.flat import FlatParams
+from decent_optim.optim.membership import Membership
 
-__all__ = ["gradients"]
+__all__ = ["check_membership", "gradients"]
+
+
+def check_membership(
+    member: Membership, groups: list[dict[str, Any]], built: list[list[Tensor]]
+) -> None:
+    """Raise unless the optimizer still owns its parameters and ``param_groups`` holds exactly
+    the parameters it was built with (``built``, per group)."""
+    if member.lost is not None:
+        raise RuntimeError(f"this {member.name} cannot step any more: {member.lost}")
+    changed = [
+        k
+        for k, (group, params) in enumerate(zip(groups, built))
+        if len(group["params"]) != len(params)
+        or not all(map(operator.is_, group["params"], params))
+    ]
+    if not changed and len(groups) == len(built):
+        return
+    k = changed[0] if changed else min(len(groups), len(built))
+    raise RuntimeError(
+        f"the parameters of {member.name}.param_groups[{k}] changed after it was built (one "
+        "appended, removed or replaced by hand, or a group added or removed): a new one would "
+        "never be updated nor gossiped, because the parameters live in flat buffers shared with "
+        "the peers. Pass every parameter to the constructor (a group with lr=0 can wait for its "
+        "turn)"
+    )
 
 
 def gradients(

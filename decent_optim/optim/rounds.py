@@ -4,9 +4,19 @@ Round ``t`` carries the values every rank held after its ``t``-th step. A step w
 its predecessor launched, mixes it, updates, and launches the next; every rank launches exactly
 one round per step, whatever happens locally, because its neighbours wait for it. Round 0 would
 mix the identical start values broadcast from rank 0, so the first step waits for nothing.
+
+A round in flight sends the parameters' own storage, without a copy. Writing a parameter in
+place before the round is taken (weight clipping after ``step()``) would race with the send:
+the neighbours would receive some old and some new values, and differently in every run. So
+the parameters' version counters (which torch bumps on every in-place write through the tensor
+or a view of it, ``p.detach()`` included) are read when a round is launched and compared when
+it is taken; a difference raises, and ``synchronize()`` first is the way to write between
+steps. Writes through ``p.data`` bypass those counters and cannot be seen.
 """
 
 from __future__ import annotations
+
+import torch
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper, PendingMix
@@ -31,6 +41,9 @@ class Rounds:
         self.count = 0  # completed steps; the next step waits on round `count`
         self._pending: GossipHandle | None = None
         self._relaunch = False  # a loaded checkpoint had round `count` in flight
+        self._params = [p for b in flat.buckets for p in b.params]
+        self._versions: list[int] | None = None  # of the parameters when _pending was launched
+        self.held_by: str | None = None  # a block that will restore the buffers (averaged())
 
     @property
     def in_flight(self) -> bool:
@@ -39,6 +52,7 @@ class Rounds:
 
     def take(self) -> list[PendingMix] | None:
         """Wait for the round in flight; returns per bucket what is left of its mix (or None)."""
+        self.check_free("step()")
         handle = self._take()
         return handle.wait_and_mix_deferred_() if handle is not None else None
 
@@ -46,17 +60,55 @@ class Rounds:
         """Count a completed step and launch the round of its values."""
         self.count += 1
         self._pending = self._start()
+        self.record_versions()
 
     def synchronize(self) -> None:
         """Wait for the round in flight and mix it completely into the buffers."""
+        self.check_free("synchronize()")
         handle = self._take()
         if handle is not None:
             handle.wait_and_mix_()
 
-    def wait(self) -> None:
-        """Complete the transfers of the round in flight without mixing it (it stays pending)."""
+    def wait(self, *, check_writes: bool = True) -> None:
+        """Complete the transfers of the round in flight without mixing it (it stays pending).
+
+        ``check_writes=False`` when parameters were given new memory (``.to()``, ``p.data =``):
+        their version counters changed, but the memory being sent was not written.
+        """
         if self._pending is not None:
+            if check_writes:
+                self._check_versions()
             self._pending.wait()
+            self._versions = None  # the sends are complete: writes are safe until the next launch
+
+    def check_free(self, what: str) -> None:
+        """Raise if ``what`` would be undone by the block holding the buffers."""
+        if self.held_by is not None:
+            raise RuntimeError(
+                f"{what} inside {self.held_by}: the block puts every rank's own parameters back "
+                f"on exit, which would undo it; call {what} after the block"
+            )
+
+    def record_versions(self) -> None:
+        """Remember the parameters' versions: they must not change while a round is in flight."""
+        pending = self._pending is not None and not torch.compiler.is_compiling()
+        self._versions = [p._version for p in self._params] if pending else None
+
+    def _check_versions(self) -> None:
+        if self._versions is None:
+            return
+        now = [p._version for p in self._params]
+        if now != self._versions:
+            written = [p for p, a, b in zip(self._params, now, self._versions) if a != b]
+            self._versions = None  # said once; the caller decides what to do
+            raise RuntimeError(
+                f"{len(written)} parameter(s) (the first of shape {tuple(written[0].shape)}) "
+                f"were written in place after step() while gossip round {self.count} was "
+                "still sending them (e.g. weight clipping, p.copy_(...), "
+                "model.load_state_dict(...)); the neighbours may have received half-written "
+                "values. Call opt.synchronize() before writing parameters between steps: it "
+                "finishes the round, and the next step() sends the written values"
+            )
 
     def reset(self, count: int, in_flight: bool) -> None:
         """Continue from a checkpoint: drop the round in flight, then stand at round ``count``.
@@ -67,9 +119,11 @@ class Rounds:
         if self._pending is not None:
             self._pending.discard()  # the round of the old trajectory: finish it, drop it
             self._pending = None
-        self.count, self._relaunch = count, in_flight
+        self.count, self._relaunch, self._versions = count, in_flight, None
 
     def _take(self) -> GossipHandle | None:
+        self._check_versions()
+        self._versions = None  # the round is taken: writes are safe until the next launch
         if self._relaunch:
             self._relaunch = False
             self._pending = self._start()

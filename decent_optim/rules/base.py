@@ -150,13 +150,21 @@ class UpdateRule(ABC):
         """
 
 
+#: the smallest learning rate the factor is folded at: the folded decay is about ``1 / (2 lr)``,
+#: which must stay a finite float32 (the kernels compute in float32 for float32 and narrower
+#: parameters), with ``lr`` itself a normal float32 so that ``lr * w'`` keeps its precision
+FOLD_MIN_LR = float(torch.finfo(torch.float32).tiny)
+
+
 def can_fold(lr: Any) -> bool:
-    """True when ``lr`` allows folding a pending mix factor into the decay (a positive number).
+    """True when ``lr`` allows folding a pending mix factor into the decay.
 
     A tensor learning rate would need a device-to-host read per step to compute the folded
-    decay, and ``lr == 0`` has no decay to fold into; both take the explicit multiplication.
+    decay, ``lr == 0`` has no decay to fold into, and below :data:`FOLD_MIN_LR` the folded
+    decay overflows float32 (``ExponentialLR(0.5)`` gets there in 126 steps); all three take
+    the explicit multiplication, which stays finite wherever torch.optim's step does.
     """
-    return isinstance(lr, (float, int)) and not isinstance(lr, bool) and lr > 0
+    return isinstance(lr, (float, int)) and not isinstance(lr, bool) and lr >= FOLD_MIN_LR
 
 
 def folded_decay(factor: float, lr: float, weight_decay: float) -> float:
