@@ -101,6 +101,21 @@ def check_decentralized(topology: object, bucket_cap_mb: object, local_world_siz
         )
 
 
+def check_compression(compression: object) -> None:
+    """None, or the name of a gossip codec (``"bf16"``, ``"int8"``)."""
+    if compression is None:
+        return
+    from decent_optim.gossip.codecs import CODECS
+
+    names = sorted(CODECS)
+    if isinstance(compression, bool) or not isinstance(compression, str):
+        raise TypeError(
+            f"compression must be None or one of {names}, got {type(compression).__name__}"
+        )
+    if compression not in CODECS:
+        raise ValueError(f"compression must be None (exact) or one of {names}, got {compression!r}")
+
+
 def resolve_local_world_size(local_world_size: int | None) -> int:
     """The explicit value, else torchrun's LOCAL_WORLD_SIZE, else 1."""
     if local_world_size is not None:

@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from decent_optim._validation import (
+    check_compression,
     check_decentralized,
     check_global_avg_every,
     check_timeout,
@@ -87,6 +88,14 @@ class DecentralizedOptimizer(Optimizer):
             one with ``torch.compile`` (see :mod:`decent_optim.rules.compiled`): None (default)
             for buckets of at least 2**20 elements, True for every bucket, False never. The
             other updates always run torch's fused kernels.
+        compression: None (default) sends exact parameters. ``"bf16"`` or ``"int8"`` (a scale
+            per 1024 values) compresses what crosses between nodes: a group of a round whose
+            workers are on more than one node (``local_world_size`` per node) exchanges
+            compressed differences against public copies with error feedback (CHOCO-gossip),
+            so rounding errors are fed back instead of accumulating, and every round keeps the
+            mean of the parameters; exchanges inside a node stay exact. Needs a topology whose
+            rounds average uniform groups (all the named ones). Costs extra memory for the
+            public copies; see :doc:`/algorithms` ("Compressed gossip").
     """
 
     #: the algorithm: its state, its update
@@ -119,9 +128,11 @@ class DecentralizedOptimizer(Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        compression: str | None = None,
     ) -> None:
         check_unsupported(type(self).__name__, capturable=capturable, differentiable=differentiable)
         check_decentralized(topology, bucket_cap_mb, local_world_size)
+        check_compression(compression)
         wait_limit = check_timeout(timeout)
         check_global_avg_every(global_avg_every)
         flags = dict(maximize=maximize, foreach=foreach, fused=fused)
@@ -136,6 +147,7 @@ class DecentralizedOptimizer(Optimizer):
             bucket_cap_mb=bucket_cap_mb,
             local_world_size=local_world_size,
             timeout=wait_limit,
+            compression=compression,
         )
         self.topology = start.topology
         self._flat, self._frozen, self._stash = start.flat, start.frozen, start.stash

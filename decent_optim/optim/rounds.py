@@ -67,6 +67,7 @@ class Rounds:
         if self._pending is not None:
             self._pending.discard()  # the round of the old trajectory: finish it, drop it
             self._pending = None
+        self.gossip.reset()  # public copies of compressed gossip: the next rounds send exact values
         self.count, self._relaunch = count, in_flight
 
     def _take(self) -> GossipHandle | None:

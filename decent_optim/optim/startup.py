@@ -71,6 +71,7 @@ def connect(
     bucket_cap_mb: float,
     local_world_size: int | None,
     timeout: datetime.timedelta | None,
+    compression: str | None = None,
 ) -> Connected:
     """Steps 1-4 of the module docstring for the parameters of each param group in ``groups``."""
     every = [p for params in groups for p in params]
@@ -89,7 +90,8 @@ def connect(
     broadcast_([p.detach() for p in frozen], group)
     differs = any(not torch.equal(a, b) for a, b in zip(own, flat.buffers))
     stash = Stash(own, flat.buffers) if differs else None
-    return Connected(Gossiper(topo, group, timeout=timeout), topo, flat, frozen, stash)
+    gossip = Gossiper(topo, group, timeout=timeout, compression=compression)
+    return Connected(gossip, topo, flat, frozen, stash)
 
 
 def _fingerprint(buffers: list[Tensor]) -> list[tuple[float, float]]:
