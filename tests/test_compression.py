@@ -74,13 +74,15 @@ def test_bf16_error_is_relative(numel, seed):
 
 @pytest.mark.parametrize("codec", [Bf16(), Int8()], ids=repr)
 def test_decoding_is_the_same_for_every_holder(codec):
-    """Sender and receivers add the payload to copies that must stay bit-identical."""
+    """The sender (while encoding) and the receivers add the payload to copies that must stay
+    bit-identical."""
     a, b = _differences(3, 2 * codecs.SLICE + 77, torch.float32)
     payload = torch.empty(codec.nbytes(a.numel()), dtype=torch.uint8)
     codec.encode_(a, b, payload)
     received = payload.clone()  # what crosses the wire
     mine, theirs = b.clone(), b.clone()
-    codec.decode_add_(payload, mine)
+    codec.encode_(a, mine, payload, absorb=True)  # the sender's copy, while encoding
+    assert torch.equal(payload, received)
     for lo in range(0, a.numel(), CHUNK * 5):  # decoded in other slices than the sender's
         codec.decode_add_(received, theirs, lo, min(lo + CHUNK * 5, a.numel()))
     assert torch.equal(mine, theirs)
@@ -145,48 +147,38 @@ def test_compression_with_one_worker_is_plain_adamw():
     st.integers(0, 2**31 - 1),
 )
 def test_every_round_keeps_the_sum_of_the_group(p, width, numel, name, seed):
-    """Rounds of one group, simulated in one process with the strategy's own math; between the
-    rounds every rank changes its values (as a local update would)."""
+    """Rounds of one group, simulated in one process with the strategy's own math for one shard
+    (held by one member of each part); between the rounds every rank changes its values, as a
+    local update would."""
     gen = torch.Generator().manual_seed(seed)
-    group = list(range(p * width))
-    parts = [Parts(group, r, width) for r in group]
     codec = codecs.get(name)
-    x = torch.randn(len(group), numel, generator=gen, dtype=torch.float64)
-    copies = {r: [torch.zeros(numel, dtype=torch.float64) for _ in range(p)] for r in group}
+    x = torch.randn(p * width, numel, generator=gen, dtype=torch.float64)
+    copies = [[torch.zeros(numel, dtype=torch.float64) for _ in range(p)] for _ in range(p)]
     acc = torch.empty(min(codecs.SLICE, numel), dtype=torch.float64)
     for round_ in range(4):
-        before = x.sum(0)
-        means = [x[list(part)].mean(0) for part in parts[0].parts]
-        payloads = None
-        if round_:
-            payloads = []
-            for a, m in enumerate(means):  # every part encodes against its copy (all agree)
+        means = x.view(p, width, numel).mean(1)  # part a = ranks a * width ... (a + 1) * width - 1
+        payloads = []
+        for a in range(p):  # the holder of part a's shard encodes against its own copy
+            if round_:
                 out = torch.empty(codec.nbytes(numel), dtype=torch.uint8)
-                codec.encode_(m, copies[parts[0].parts[a][0]][a], out)
+                codec.encode_(means[a], copies[a][a], out, absorb=True)
                 payloads.append(out)
-        else:  # the first round: exact values straight into the copies
-            for r in group:
-                for a, m in enumerate(means):
-                    if a != parts[r].mine:
-                        copies[r][a].copy_(m)
-        new = torch.empty_like(x)
-        for r in group:
-            a = parts[r].mine
-            mine_first = (
-                None if payloads is None else [payloads[a], *payloads[:a], *payloads[a + 1 :]]
-            )
-            row = new[r]
+            else:  # the first round: exact values
+                for h in range(p):
+                    copies[h][a].copy_(means[a])
+        mixed = torch.empty(p, numel, dtype=torch.float64)
+        for a in range(p):
+            row = mixed[a]
             row.copy_(means[a])
             m = row if width == 1 else row.clone()  # the strategy mixes a one-rank part in place
-            mix_shard_(row, m, copies[r], a, mine_first, codec, acc)
+            theirs = [payloads[b] for b in range(p) if b != a] if round_ else None
+            mix_shard_(row, m, copies[a], a, theirs, codec, acc)
+        new = mixed.repeat_interleave(width, 0)  # the members gather the shard
         # exact arithmetic would keep the sum exactly; allow the rounding of float64 additions
         scale = x.abs().max() + new.abs().max()
-        assert (new.sum(0) - before).abs().max() <= 1e-13 * scale * len(group)
-        for r in group[1:]:  # every member holds the same copies
-            for mine, theirs in zip(copies[r], copies[0]):
-                assert torch.equal(mine, theirs)
-        for part in parts[0].parts:  # and a part's members the same values
-            assert all(torch.equal(new[part[0]], new[r]) for r in part)
+        assert (new.sum(0) - x.sum(0)).abs().max() <= 1e-13 * scale * p * width
+        for h in range(1, p):  # every holder has the same copies
+            assert all(torch.equal(mine, theirs) for mine, theirs in zip(copies[h], copies[0]))
         x = new + torch.randn(x.shape, generator=gen, dtype=torch.float64) * 0.1
 
 

@@ -30,8 +30,9 @@ buffer per direction. Afterwards the members gather the shards. In steps, for a 
 
 1. (launch, :math:`L > 1`) send each partner its shard of the values, receive the own shard of
    theirs, average: :math:`m_a`; with :math:`L = 1`, :math:`m_a = x_i` (no copy);
-2. (launch) encode :math:`q_a` and post it to the counterparts, with the receives of theirs;
-3. (mix) add every :math:`q_b` to its copy, write :math:`x_i` on the shard;
+2. (launch) encode :math:`q_a`, add it to the own copy in the same pass, and post it to the
+   counterparts, with the receives of theirs;
+3. (mix) add every other :math:`q_b` to its copy, write :math:`x_i` on the shard;
 4. (mix, :math:`L > 1`) exchange the written shards with the partners.
 
 The first round of a group (and the first after :meth:`CompressedGroup.reset`) has no public
@@ -131,13 +132,14 @@ class CompressedGroup(Exchange):
             if primed:
                 size = codec.nbytes(m.numel())
                 out = link.scratch(("payload", b), size, torch.uint8, m.device)
-                codec.encode_(m, held[parts.mine], out)
+                codec.encode_(m, held[parts.mine], out, absorb=True)  # the own copy, now
                 ins = [
                     link.scratch(("payload", b, k), size, torch.uint8, m.device)
                     for k in range(len(peers))
                 ]
             else:  # exact values, received straight into the copies
                 out, ins = m, [c for a, c in enumerate(held) if a != parts.mine]
+                held[parts.mine].copy_(m)
             outgoing.append(out)
             incoming.append(ins)
         receives = [
@@ -149,7 +151,7 @@ class CompressedGroup(Exchange):
         def finish(defer_addend: bool) -> list[PendingMix]:
             for b, x in enumerate(own):
                 acc = link.scratch("acc", min(SLICE, x.numel()), x.dtype, x.device)
-                payloads = [outgoing[b], *incoming[b]] if primed else None
+                payloads = incoming[b] if primed else None
                 mix_shard_(x, means[b], copies[b], parts.mine, payloads, codec, acc)
             self._primed = True
             if parts.width > 1:
@@ -224,21 +226,19 @@ def mix_shard_(
     Args:
         x: this rank's shard of the buffer, written with the mix.
         m: its part's mean of the shard (``x`` itself for parts of one rank).
-        copies: every part's public copy of the shard, in part order; ``copies[mine]`` is the own.
-        payloads: the own payload, then the other parts' in part order; None for a round of
-            exact values, whose other copies already hold what was received.
+        copies: every part's public copy of the shard, in part order; ``copies[mine]``, the own,
+            already holds this round's value (the encoder absorbed its payload).
+        payloads: the other parts' payloads, in part order; None for a round of exact values,
+            whose copies already hold what was received.
         acc: scratch of ``min(SLICE, x.numel())`` elements.
     """
     own = copies[mine]
     others = [c for a, c in enumerate(copies) if a != mine]
-    if payloads is None:
-        own.copy_(m)
     alpha = GAMMA / len(copies)
     for lo in range(0, x.numel(), SLICE):
         hi = min(lo + SLICE, x.numel())
         if payloads is not None:  # every holder adds the same payload to a copy: they stay equal
-            codec.decode_add_(payloads[0], own, lo, hi)
-            for payload, copy in zip(payloads[1:], others):
+            for payload, copy in zip(payloads, others):
                 codec.decode_add_(payload, copy, lo, hi)
         a = acc[: hi - lo]
         torch.sub(others[0][lo:hi], own[lo:hi], out=a)
