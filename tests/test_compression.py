@@ -18,7 +18,8 @@ from reference import CompressedMixing, Segment, quantized, simulate
 import decent_optim as dopt
 from decent_optim.gossip import codecs
 from decent_optim.gossip.codecs import CHUNK, Bf16, Int8
-from decent_optim.gossip.compressed import GAMMA, Parts, mix_shard_
+from decent_optim.gossip.compressed import GAMMA, mix_shard_
+from decent_optim.gossip.nodes import Parts
 from decent_optim.topologies import CustomTopology
 from decent_optim.topologies import get as get_topology
 
@@ -342,3 +343,33 @@ def _one_node(rank, n):
 def test_compression_inside_one_node_warns_that_it_does_nothing():
     for messages in run_world(_one_node, 2):
         assert any("has no effect" in m and "local_world_size=1" in m for m in messages)
+
+
+# -- exact rounds by node (compression=None): one copy per direction on the slow link ----------
+def _initial(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``_gossip_alone`` gives each rank."""
+    rows = []
+    for rank in range(n):
+        gen = torch.Generator().manual_seed(rank)
+        rows.append(torch.randn(NUMEL, generator=gen, dtype=dtype) * torch.logspace(-3, 3, NUMEL))
+    return torch.stack(rows)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "topology, n, local",
+    [("complete", 4, 2), ("alternating-exp-ring", 4, 2), ("alternating-exp-ring", 8, 2)],
+    ids=str,
+)
+def test_exact_rounds_by_node_are_the_group_mean(topology, n, local):
+    """Groups with several ranks on each of several nodes average by node (a shard per member)."""
+    got = torch.stack(run_world(_gossip_alone, n, topology, local, None, torch.float64, 6))
+    topo = get_topology(topology, n, local)
+    x = _initial(n, torch.float64)
+    scale = torch.logspace(-3, 3, NUMEL, dtype=torch.float64)  # means of such values can cancel
+    for t in range(6):
+        if t:  # round 0 is never run
+            x = topo.mixing_matrix(t) @ x
+        torch.testing.assert_close(got[:, t] / scale, x / scale, rtol=0, atol=1e-12)
+        for group in topo.groups(t) if t else []:  # every member of a group: the same bits
+            assert all(torch.equal(got[group[0], t], got[r, t]) for r in group)

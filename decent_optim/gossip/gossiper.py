@@ -12,9 +12,10 @@ from torch import Tensor
 
 from decent_optim.gossip import codecs
 from decent_optim.gossip.allreduce import GroupAllReduce
-from decent_optim.gossip.compressed import CompressedGroup, Parts
+from decent_optim.gossip.compressed import CompressedGroup
 from decent_optim.gossip.exchange import Exchange, Idle, Link
 from decent_optim.gossip.handle import DONE, GossipHandle
+from decent_optim.gossip.nodes import NodeAverage, Parts
 from decent_optim.gossip.p2p import PointToPoint
 from decent_optim.topologies import Topology
 
@@ -52,8 +53,10 @@ class Gossiper:
     """Neighbour exchange over a process group, following a :class:`Topology`.
 
     Each round of the period is carried out by one :class:`~decent_optim.gossip.exchange.Exchange`,
-    chosen here once: a rank alone in its group sits the round out; a uniform group of three or
-    more ranks all-reduces on a sub-group; pairs and rounds with arbitrary weights go point to
+    chosen here once: a rank alone in its group sits the round out; a uniform group with several
+    ranks on each of several nodes averages by node, so that the slow link carries one copy per
+    direction (:class:`~decent_optim.gossip.nodes.NodeAverage`); any other uniform group of three
+    or more ranks all-reduces on a sub-group; pairs and rounds with arbitrary weights go point to
     point. ``transport`` forces one strategy: ``"p2p"``, or ``"allreduce"`` (which needs every
     round to be a partition into uniform groups). With ``compression``, a group whose members
     live on more than one node (rank // ``topology.local_world_size``) exchanges compressed
@@ -131,6 +134,12 @@ class Gossiper:
             return False
         return Parts(members, members[0], self.topology.local_world_size).crosses_nodes
 
+    def _by_node(self, members: tuple[int, ...]) -> bool:
+        """Whether an exact group round goes by node (:mod:`~decent_optim.gossip.nodes`): its
+        ranks live on several nodes, several on each, and no transport is forced."""
+        parts = Parts(members, members[0], self.topology.local_world_size)
+        return self.transport == "auto" and parts.crosses_nodes and parts.width > 1
+
     def _compressed_group(self, members: tuple[int, ...]) -> CompressedGroup:
         """The strategy of a compressed group: one per group, whose public copies serve every
         round of the period that has this group."""
@@ -155,7 +164,9 @@ class Gossiper:
                 g
                 for r in range(self.topology.period)
                 for g in self.topology.groups(r) or []
-                if self._uses_allreduce(g) and len(g) < self.world_size and not self._compresses(g)
+                if self._uses_allreduce(g)
+                and len(g) < self.world_size
+                and not (self._compresses(g) or self._by_node(g))
             }
         )
         if needed and dist.get_world_size() != self.world_size:
@@ -187,6 +198,8 @@ class Gossiper:
             return Idle()
         if self._compresses(mine):
             return self._compressed_group(mine)
+        if self._by_node(mine):
+            return NodeAverage(self._link, Parts(mine, self.rank, self.topology.local_world_size))
         if self._uses_allreduce(mine):
             return GroupAllReduce(self._link, len(mine), subgroups[mine])
         return PointToPoint(self._link, self.topology)
