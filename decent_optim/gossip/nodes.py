@@ -160,11 +160,12 @@ class NodeAverage(AcrossNodes):
         def finish(defer_addend: bool) -> list[PendingMix]:
             for b, x in enumerate(own):
                 ordered = received[b][: parts.mine] + [means[b]] + received[b][parts.mine :]
-                total = link.scratch("total", x.numel(), x.dtype, x.device)
-                torch.add(ordered[0], ordered[1], out=total)
+                # straight into the shard: every addend is a scratch buffer (parts of more
+                # than one rank), so no copy of the sum is needed
+                torch.add(ordered[0], ordered[1], out=x)
                 for m in ordered[2:]:
-                    total.add_(m)
-                torch.div(total, len(ordered), out=x)
+                    x.add_(m)
+                x.div_(len(ordered))
             if parts.width > 1:
                 self._gather(buffers, shards, step)
             return [NO_MIX] * len(buffers)
