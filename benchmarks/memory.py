@@ -1,6 +1,11 @@
 """Optimizer + communication memory per parameter, per class, on 2 gloo ranks.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/memory.py
+    torchrun --standalone --nproc-per-node 4 benchmarks/memory.py --compressed
+
+``--compressed``: DecentralizedAdamW on ``alternating-exp-ring`` with the 4 ranks taken as 2
+nodes of 2 (``local_world_size=2``), for ``compression=None``, ``"bf16"`` and ``"int8"`` (the
+public copies and payload buffers of the rounds across nodes); results in ``memory_compressed.*``.
 
 After a few steps on a model of many small and a few large tensors, every tensor reachable from
 the optimizer object (its state, flat buffers, gossip receive buffers, scratch) is collected,
@@ -15,6 +20,7 @@ Results: ``benchmarks/results/memory.{json,md}``.
 from __future__ import annotations
 
 import json
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -84,8 +90,21 @@ def measure(name: str, build) -> dict:
             "param_buffers": extra / (numel * 4)}  # fmt: skip
 
 
+def compressed_cases() -> list:
+    def build(net, c):
+        opt = dopt.DecentralizedAdamW(
+            net.parameters(), lr=1e-3, topology="alternating-exp-ring", local_world_size=2,
+            compression=c,
+        )  # fmt: skip
+        return _opt(opt)
+
+    return [(f"DecentralizedAdamW (alternating-exp-ring, 2 nodes x 2, compression={c})",
+             partial(build, c=c)) for c in (None, "bf16", "int8")]  # fmt: skip
+
+
 def main() -> None:
     dist.init_process_group("gloo")
+    compressed = "--compressed" in sys.argv[1:]
     kw = dict(lr=1e-3)
     cases = [
         ("torch.optim.AdamW (reference)", lambda n: _opt(torch.optim.AdamW(n.parameters(), **kw)))
@@ -108,6 +127,8 @@ def main() -> None:
         cases.append(("Decent-DP 0.2.3 AdamW (ring)", decentdp))
     except ImportError:
         pass
+    if compressed:
+        cases = cases[:1] + compressed_cases()
     rows = [measure(name, build) for name, build in cases]
     if dist.get_rank() == 0:
         lines = [
@@ -118,12 +139,14 @@ def main() -> None:
             f"| {r['class']} | {r['bytes_per_param']:.2f} | {r['param_buffers']:.2f} |"
             for r in rows
         ]
-        table = (f"optimizer + communication memory beyond parameters and gradients, 2 ranks, "
+        table = (f"optimizer + communication memory beyond parameters and gradients, "
+                 f"{dist.get_world_size()} ranks, "
                  f"float32, {rows[0]['params'] / 1e6:.2f}M parameters\n\n" + "\n".join(lines))  # fmt: skip
         print(table)
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "memory.json").write_text(json.dumps(rows, indent=2))
-        (RESULTS / "memory.md").write_text(table + "\n")
+        name = "memory_compressed" if compressed else "memory"
+        (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=2))
+        (RESULTS / f"{name}.md").write_text(table + "\n")
     dist.destroy_process_group()
 
 

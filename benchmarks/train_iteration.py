@@ -1,5 +1,9 @@
 """Training iterations of a small GPT: decent_optim (per topology) vs DDP + AdamW vs Decent-DP.
 
+Methods: ``none`` (the same model and loop with no communication at all: the compute floor under
+the same contention), ``ddp``, ``decent:<topology>`` and ``decent:<topology>+<compression>``
+(``DecentralizedAdamW``, optionally with ``compression="bf16"``/``"int8"``), ``decentdp:<topology>``.
+
 One node, 4 ranks (benchmark b), optionally with stragglers (d)::
 
     python benchmarks/train_iteration.py --nproc 4
@@ -43,6 +47,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOPOLOGIES = ["ring", "one-peer-exp", "alternating-exp-ring", "complete"]
+COMPRESSIONS = ["int8", "bf16"]
 
 
 def _rss_mb() -> float:
@@ -104,7 +109,8 @@ def worker(args) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     local_batch = args.global_batch // n
     method = args.method
-    kind, _, topo_name = method.partition(":")
+    kind, _, spec = method.partition(":")
+    topo_name, _, compression = spec.partition("+")
 
     def batch(it: int):
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + it)
@@ -155,7 +161,9 @@ def worker(args) -> None:
 
     # 2. communication alone, at the model's size
     flat = torch.zeros(numel)
-    if kind == "ddp":
+    if kind == "none":
+        comm_rounds, degrees = [0.0], None
+    elif kind == "ddp":
         times = []
         for rep in range(args.comm_reps + 1):
             dist.barrier()
@@ -167,7 +175,7 @@ def worker(args) -> None:
         degrees = None
     else:
         topo = topologies.get(topo_name, n, local)
-        gossip = Gossiper(topo)
+        gossip = Gossiper(topo, compression=compression or None)
         comm_rounds = []
         for r in range(topo.period):
             times = []
@@ -184,7 +192,17 @@ def worker(args) -> None:
 
     # 3. training
     model = build_model(args)  # fresh, identical start for every method
-    if kind == "ddp":
+    if kind == "none":  # the compute floor: the same loop, nothing exchanged
+        net = model
+        opt = torch.optim.AdamW(net.parameters(), fused=True, **adamw)
+
+        def train_step(x, y):
+            opt.zero_grad()
+            F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+            sleep()
+            opt.step()
+
+    elif kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         net = DistributedDataParallel(model)
@@ -199,7 +217,9 @@ def worker(args) -> None:
     elif kind == "decent":
         import decent_optim as dopt
 
-        opt = dopt.DecentralizedAdamW(model.parameters(), topology=topo_name, **adamw)
+        opt = dopt.DecentralizedAdamW(
+            model.parameters(), topology=topo_name, compression=compression or None, **adamw
+        )
         net = model
 
         def train_step(x, y):
@@ -245,7 +265,9 @@ def worker(args) -> None:
     workload = runtime.Workload(
         compute_mean=compute_mean, compute_std=compute_std, update_time=update_s
     )
-    if kind == "ddp":
+    if kind == "none":
+        pred = runtime.predict_allreduce(workload, 1, 0.0)
+    elif kind == "ddp":
         pred = runtime.predict_allreduce(workload, n, comm_rounds[0], overlap=args.ddp_overlap)
     else:
         pred = runtime.predict_gossip(workload, comm_rounds, degrees, method)
@@ -273,9 +295,12 @@ def default_methods(nproc: int, nnodes: int) -> list[str]:
     fit = [t for t in TOPOLOGIES
            if not (t == "one-peer-exp" and n & (n - 1))
            and not (t == "alternating-exp-ring" and (nnodes < 2 or nnodes & (nnodes - 1)))]  # fmt: skip
+    ours = [f"decent:{t}" for t in fit]
+    if nnodes > 1:  # compression acts on what crosses between nodes
+        ours += [f"decent:{t}+{c}" for c in COMPRESSIONS for t in fit]
     # Decent-DP's own topologies (it has no odd-size ring; its complete is the all-reduce)
     theirs = [t for t in fit if t != "complete" and not (t == "ring" and n % 2)]
-    return ["ddp"] + [f"decent:{t}" for t in fit] + [f"decentdp:{t}" for t in theirs]
+    return ["none", "ddp"] + ours + [f"decentdp:{t}" for t in theirs]
 
 
 def launch(args, rest: list[str]) -> None:
@@ -312,8 +337,10 @@ def launch(args, rest: list[str]) -> None:
         return
     shutil.rmtree(parts, ignore_errors=True)
     ddp = next((r for r in rows if r["method"] == "ddp"), None)
+    floor = next((r for r in rows if r["method"] == "none"), None)
     for r in rows:
         r["speedup_vs_ddp"] = ddp["iteration_ms"] / r["iteration_ms"] if ddp else None
+        r["vs_floor"] = r["iteration_ms"] / floor["iteration_ms"] if floor else None
     meta = {"tag": args.tag, "nnodes": nnodes, "nproc_per_node": args.nproc, "argv": sys.argv[1:],
             "straggle_ms": [args.straggle_mean_ms, args.straggle_std_ms], "rows": rows}  # fmt: skip
     (out / f"train_{args.tag}.json").write_text(json.dumps(meta, indent=2))
@@ -323,13 +350,14 @@ def launch(args, rest: list[str]) -> None:
         f"params, global batch {args.global_batch}, {args.iters} timed iterations, straggler sleep "
         f"{args.straggle_mean_ms:g} +- {args.straggle_std_ms:g} ms",
         "",
-        "| method | ms / iter | samples/s | vs DDP | compute ms | comm ms | overlap eff. | predicted ms | pred. error | peak RSS MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | ms / iter | vs floor | samples/s | vs DDP | compute ms | comm ms | overlap eff. | predicted ms | pred. error | peak RSS MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         sp = f"{r['speedup_vs_ddp']:.2f}x" if r["speedup_vs_ddp"] else "-"
+        fl = f"{r['vs_floor']:.2f}x" if r["vs_floor"] else "-"
         lines.append(
-            f"| {r['method']} | {r['iteration_ms']:.1f} | {r['samples_per_s']:.1f} | {sp} | "
+            f"| {r['method']} | {r['iteration_ms']:.1f} | {fl} | {r['samples_per_s']:.1f} | {sp} | "
             f"{r['compute_ms']:.1f} | {r['comm_ms']:.1f} | {r['overlap_efficiency']:.2f} | "
             f"{r['predicted_ms']:.1f} | {r['prediction_error'] * 100:+.0f}% | {r['peak_rss_mb']:.0f} |"
         )

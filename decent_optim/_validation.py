@@ -84,7 +84,9 @@ def check_unsupported(cls_name: str, **flags: object) -> None:
             )
 
 
-def check_decentralized(topology: object, bucket_cap_mb: object, local_world_size: object) -> None:
+def check_decentralized(
+    topology: object, bucket_cap_mb: object, local_world_size: object, compression: object = None
+) -> None:
     if not isinstance(topology, (str, Topology)):
         raise TypeError(
             f"topology must be a name (str) or a decent_optim.Topology, got {type(topology).__name__}"
@@ -99,6 +101,22 @@ def check_decentralized(topology: object, bucket_cap_mb: object, local_world_siz
         raise ValueError(
             f"local_world_size must be a positive int or None, got {local_world_size!r}"
         )
+    check_compression(compression)
+
+
+def check_compression(compression: object) -> None:
+    """None, or the name of a gossip codec (``"bf16"``, ``"int8"``)."""
+    if compression is None:
+        return
+    from decent_optim.gossip.codecs import CODECS
+
+    names = sorted(CODECS)
+    if isinstance(compression, bool) or not isinstance(compression, str):
+        raise TypeError(
+            f"compression must be None or one of {names}, got {type(compression).__name__}"
+        )
+    if compression not in CODECS:
+        raise ValueError(f"compression must be None (exact) or one of {names}, got {compression!r}")
 
 
 def resolve_local_world_size(local_world_size: int | None) -> int:

@@ -11,7 +11,9 @@ In well under a minute it measures, at the given model size:
   forward's share of it;
 * the local optimizer step (torch's fused AdamW on that many parameters);
 * one all-reduce of the whole model (what DDP moves per iteration, without its overlap);
-* one gossip round of each topology that fits the world size, round by round.
+* one gossip round of each topology that fits the world size, round by round; with
+  ``--compression bf16 int8`` also the compressed rounds (``<topology>+<compression>``; only on
+  more than one node, where they apply).
 
 Rank 0 then prints the :mod:`decent_optim.runtime` predictions: time per iteration for
 All-Reduce and each topology and the speedup over All-Reduce. Your model's compute time can be
@@ -124,9 +126,15 @@ def _allreduce_time(numel: int, reps: int, device: torch.device, dtype: torch.dt
 
 
 def _gossip_round_times(
-    topo: topologies.Topology, numel: int, reps: int, device: torch.device, dtype: torch.dtype
+    topo: topologies.Topology,
+    numel: int,
+    reps: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    compression: str | None = None,
 ) -> list[float]:
-    gossip = Gossiper(topo)
+    # the first repetition of every round is not timed: it also primes compressed groups
+    gossip = Gossiper(topo, compression=compression)
     buffers = [torch.zeros(numel, device=device, dtype=dtype)]
     times = []
     for r in range(topo.period):
@@ -180,10 +188,17 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         except ValueError as err:  # this world size or node layout does not fit the topology
             result["skipped"][name] = str(err)
             continue
-        result["gossip"][name] = {
-            "round_s": _gossip_round_times(topo, numel, args.reps, device, dtype),
-            "degrees": runtime.round_degrees(topo),
-        }
+        for c in [None, *(args.compression if n > local else [])]:
+            if c is not None and topo.groups(0) is None:
+                continue  # compression needs rounds of group averages
+            result["gossip"][name if c is None else f"{name}+{c}"] = {
+                "round_s": _gossip_round_times(topo, numel, args.reps, device, dtype, c),
+                "degrees": runtime.round_degrees(topo),
+            }
+    result["wire_bytes"] = {
+        c or "none": runtime.wire_bytes(result["bytes"], c, weights[0].element_size())
+        for c in [None, *args.compression]
+    }
     return result
 
 
@@ -207,6 +222,8 @@ def format_table(measured: dict, rows: list[tuple[runtime.Prediction, float]]) -
         f"{m['params'] / 1e6:.2f}M parameters ({m['bytes'] / 2**20:.1f} MiB)",
         f"compute {m['compute_mean_s'] * 1e3:.1f} ms +- {m['compute_std_s'] * 1e3:.1f} ms, "
         f"local update {m['update_s'] * 1e3:.1f} ms, all-reduce {m['allreduce_s'] * 1e3:.1f} ms",
+        "bytes per copy on a link between nodes: "
+        + ", ".join(f"{c} {b / 2**20:.1f} MiB" for c, b in m.get("wire_bytes", {}).items()),
         "",
         "| method | predicted ms / iteration | waits on compute ms | communication ms | exposed ms | speedup vs all-reduce |",
         "|---|---:|---:|---:|---:|---:|",
@@ -285,6 +302,13 @@ def _parser() -> argparse.ArgumentParser:
         type=_topology_name,
         default=topologies.names(),
         help=f"topologies to measure (default: all that fit: {', '.join(topologies.names())})",
+    )
+    p.add_argument(
+        "--compression",
+        nargs="*",
+        default=[],
+        choices=sorted(runtime.WIRE_BYTES),
+        help="also measure the topologies' rounds compressed this way (several nodes only)",
     )
     p.add_argument("--json", default=None, help="also write the measurements and predictions here")
     return p

@@ -131,12 +131,13 @@ UPDATES: dict[str, Callable] = {"sgd": sgd, "adam": adam, "accum_adam": accum_ad
 
 def simulate(
     kind: str,
-    mixing: Callable[[int], Tensor],
+    mixing: Callable[[int], Tensor] | None,
     x0: Tensor,
     grad_fn: Callable[[Tensor, int], Tensor],
     segments: Sequence[Segment],
     steps: int,
     has_grad: Callable[[int, int], bool] = lambda rank, t: True,
+    mixer: Callable[[Tensor, int], Tensor] | None = None,
 ) -> Tensor:
     """Run ``steps`` combine-then-adapt steps; returns ``X(steps)`` (before the next mix).
 
@@ -148,13 +149,14 @@ def simulate(
         segments: the param groups as column ranges with their hyper-parameters.
         has_grad: ``(rank, t) -> False`` when that worker has no gradient at step ``t``: it still
             mixes, but its local update (and its state) is skipped, as torch.optim skips it.
+        mixer: ``(X, t) -> mixed X`` instead of ``mixing(t) @ X`` (e.g. :class:`CompressedMixing`).
     """
     x = x0.double().clone()
     n = x.shape[0]
     states = [[RefState() for _ in segments] for _ in range(n)]
     for t in range(steps):
         g = grad_fn(x, t)
-        mixed = mixing(t).double() @ x
+        mixed = mixer(x, t) if mixer is not None else mixing(t).double() @ x  # type: ignore[misc]
         new = mixed.clone()
         for i in range(n):
             if not has_grad(i, t):
@@ -165,3 +167,64 @@ def simulate(
                 new[i, sl] = UPDATES[kind](mixed[i, sl], g[i, sl], st, **seg.hyper)
         x = new
     return x
+
+
+# -- compressed gossip (CHOCO-style, algorithms.md "Compressed gossip with error feedback") ------
+
+
+def quantized(codec: str, d: Tensor) -> Tensor:
+    """What every holder of a public copy adds for the difference ``d`` (one row).
+
+    ``"bf16"``: ``d`` rounded to bfloat16. ``"int8"``: in chunks of 1024 elements from the start,
+    scale ``s = max|d| / 127`` (stored as float32), values ``round(d / s)`` clipped to [-127, 127].
+    """
+    if codec == "bf16":
+        return d.to(torch.bfloat16).to(d.dtype)
+    out = torch.zeros_like(d)
+    for lo in range(0, d.numel(), 1024):
+        chunk = d[lo : lo + 1024]
+        scale = float(torch.tensor(float(chunk.abs().max()) / 127, dtype=torch.float32))
+        if scale > 0:
+            out[lo : lo + 1024] = torch.clamp(torch.round(chunk / scale), -127, 127) * scale
+    return out
+
+
+class CompressedMixing:
+    """The compressed round of every group, with the public copies, for :func:`simulate`.
+
+    A group inside one node (``rank // local_world_size``) averages exactly. A group across nodes
+    is split by node into parts (into single ranks if the parts differ in size); a part's values
+    are averaged exactly, and the parts gossip on public copies ``h`` of their means ``m``:
+    ``h_a += Q(m_a - h_a)`` for every part, then every member of part ``a`` takes
+    ``m_a + gamma / p * sum_b (h_b - h_a)``. A group's first round sets ``h_a = m_a`` exactly.
+    Round 0 is never run (all ranks hold the broadcast start values).
+    """
+
+    def __init__(self, topology, codec: str, gamma: float = 1.0) -> None:
+        self.topology, self.codec, self.gamma = topology, codec, gamma
+        self.copies: dict[tuple[int, ...], list[Tensor]] = {}
+
+    def __call__(self, x: Tensor, t: int) -> Tensor:
+        if t == 0:
+            return x.clone()
+        local = self.topology.local_world_size
+        new = x.clone()
+        for group in self.topology.groups(t):
+            nodes = sorted({i // local for i in group})
+            if len(nodes) == 1:
+                new[list(group)] = x[list(group)].mean(0)
+                continue
+            parts = [[i for i in group if i // local == node] for node in nodes]
+            if len({len(p) for p in parts}) > 1:
+                parts = [[i] for i in group]
+            means = [x[p].mean(0) for p in parts]
+            copies = self.copies.get(tuple(group))
+            if copies is None:
+                copies = self.copies[tuple(group)] = [m.clone() for m in means]
+            else:
+                for a, m in enumerate(means):
+                    copies[a] += quantized(self.codec, m - copies[a])
+            for a, part in enumerate(parts):
+                pull = sum(copies[b] - copies[a] for b in range(len(parts)) if b != a)
+                new[part] = means[a] + self.gamma / len(parts) * pull
+        return new

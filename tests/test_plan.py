@@ -21,7 +21,7 @@ def test_plan_runs_under_torchrun_and_prints_a_recommendation(tmp_path):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "decent_optim.plan", "--params", "20000", "--iters", "3", "--reps", "1",
-        "--json", str(out),
+        "--json", str(out), "--compression", "int8",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -32,8 +32,13 @@ def test_plan_runs_under_torchrun_and_prints_a_recommendation(tmp_path):
     # 4 square layers of width floor(sqrt(20000 / 4)) = 70
     assert measured["params"] == 4 * 70 * 70
     assert measured["compute_mean_s"] > 0 and measured["allreduce_s"] > 0
-    # with 2 ranks: complete, ring and one-peer-exp all fit (one node, so not the node-aware one)
+    # with 2 ranks: complete, ring and one-peer-exp all fit (one node, so not the node-aware one,
+    # and no compressed rounds: nothing crosses nodes)
     assert set(measured["gossip"]) == {"complete", "ring", "one-peer-exp"}
+    # bytes of one copy on a link between nodes: float32, and int8 (1 byte + 4 per 1024)
+    n = 4 * 70 * 70
+    assert measured["wire_bytes"] == pytest.approx({"none": 4 * n, "int8": n * (1 + 4 / 1024)})
+    assert "bytes per copy on a link between nodes: none 0.1 MiB, int8 0.0 MiB" in proc.stdout
     assert all(len(g["round_s"]) == len(g["degrees"]) for g in measured["gossip"].values())
     methods = [p["method"] for p in result["predicted"]]
     assert sorted(methods) == ["all-reduce", "complete", "one-peer-exp", "ring"]
@@ -93,3 +98,19 @@ def test_topologies_that_do_not_fit_are_named_in_the_table():
     }  # fmt: skip
     table = plan.format_table(measured, plan.predict(measured, overlap=1.0))
     assert "not measured: one-peer-exp (one-peer-exp needs a power-of-two world size" in table
+
+
+def test_predictions_include_compressed_rounds():
+    measured = {
+        "world_size": 4, "local_world_size": 2, "backend": "gloo", "params": 10, "bytes": 40,
+        "compute_mean_s": 0.1, "compute_std_s": 0.0, "backward_fraction": 0.5, "update_s": 0.0,
+        "allreduce_s": 0.3, "wire_bytes": {"none": 40, "int8": 10.04},
+        "gossip": {"ring": {"round_s": [0.01, 0.4], "degrees": [1, 1]},
+                   "ring+int8": {"round_s": [0.01, 0.1], "degrees": [1, 1]}},
+    }  # fmt: skip
+    rows = plan.predict(measured, overlap=1.0)
+    # ring: (0.1 + 0.4) / 2 = 0.25; ring+int8 hides both rounds: 0.1; all-reduce 0.35
+    assert [p.method for p, _ in rows] == ["ring+int8", "ring", "all-reduce"]
+    assert rows[0][0].iteration == pytest.approx(0.1)
+    table = plan.format_table(measured, rows)
+    assert "recommended: ring+int8" in table and "int8 0.0 MiB" in table

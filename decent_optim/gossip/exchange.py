@@ -53,6 +53,7 @@ class Link:
         self.global_ranks = global_ranks
         self.timeout, self.first_tag = timeout, first_tag
         self._slots: dict[int, list[Tensor]] = {}  # in-neighbour slot -> one buffer per bucket
+        self._scratch: dict[object, Tensor] = {}
         self._in_flight = False  # a round holds the receive buffers (started, not yet mixed)
 
     def receive_buffers(self, slot: int, like: Sequence[Tensor]) -> list[Tensor]:
@@ -63,6 +64,17 @@ class Link:
         ]:
             out = self._slots[slot] = [torch.empty_like(b) for b in like]
         return out
+
+    def scratch(self, key: object, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A one-dimensional buffer for ``key``, allocated once (again only if it must grow).
+
+        Strategies that need working space of their own during a round (payloads, partial
+        sums) share it through here: only one round is in flight at a time.
+        """
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < numel or (buf.dtype, buf.device) != (dtype, device):
+            buf = self._scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
 
     def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
         """A receive buffer of bucket ``index`` that no round is using now, or None.

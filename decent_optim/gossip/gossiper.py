@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import datetime
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
 
+from decent_optim.gossip import codecs
 from decent_optim.gossip.allreduce import GroupAllReduce
+from decent_optim.gossip.compressed import CompressedGroup
 from decent_optim.gossip.exchange import Exchange, Idle, Link
 from decent_optim.gossip.handle import DONE, GossipHandle
+from decent_optim.gossip.nodes import NodeAverage, Parts
 from decent_optim.gossip.p2p import PointToPoint
 from decent_optim.topologies import Topology
 
@@ -43,15 +47,23 @@ class LocalGossiper:
         """No communication buffers in a world of one."""
         return None
 
+    def reset(self) -> None:
+        """Nothing to forget."""
+
 
 class Gossiper:
     """Neighbour exchange over a process group, following a :class:`Topology`.
 
     Each round of the period is carried out by one :class:`~decent_optim.gossip.exchange.Exchange`,
-    chosen here once: a rank alone in its group sits the round out; a uniform group of three or
-    more ranks all-reduces on a sub-group; pairs and rounds with arbitrary weights go point to
+    chosen here once: a rank alone in its group sits the round out; a uniform group with several
+    ranks on each of several nodes averages by node, so that the slow link carries one copy per
+    direction (:class:`~decent_optim.gossip.nodes.NodeAverage`); any other uniform group of three
+    or more ranks all-reduces on a sub-group; pairs and rounds with arbitrary weights go point to
     point. ``transport`` forces one strategy: ``"p2p"``, or ``"allreduce"`` (which needs every
-    round to be a partition into uniform groups).
+    round to be a partition into uniform groups). With ``compression``, a group whose members
+    live on more than one node (rank // ``topology.local_world_size``) exchanges compressed
+    differences against public copies instead (:class:`~decent_optim.gossip.compressed.CompressedGroup`);
+    groups inside one node stay exact.
 
     Args:
         topology: the schedule; its ``world_size`` must equal the group's size.
@@ -63,6 +75,9 @@ class Gossiper:
         slot: which of the optimizers sharing ``group`` this gossiper serves (0 for the first);
             its point-to-point messages carry tags of their own (see
             :func:`~decent_optim.gossip.collectives.channel` for the collectives).
+        compression: None (exact), or a codec name of :mod:`decent_optim.gossip.codecs`
+            (``"bf16"``, ``"int8"``) for the groups that cross nodes; needs every round to be a
+            partition into uniform groups.
 
     Sub-groups for all-reduce are created here, collectively: every rank of ``group`` must
     build its ``Gossiper`` at the same point of the program.
@@ -75,9 +90,11 @@ class Gossiper:
         transport: str = "auto",
         timeout: datetime.timedelta | None = None,
         slot: int = 0,
+        compression: str | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self._codec = None if compression is None else codecs.get(compression)
         group = group if group is not None else dist.group.WORLD
         world_size = dist.get_world_size(group)
         if topology.world_size != world_size:
@@ -85,22 +102,61 @@ class Gossiper:
                 f"topology {topology!r} is for {topology.world_size} ranks, "
                 f"the process group has {world_size}"
             )
-        if transport == "allreduce":
-            for r in range(topology.period):
-                if topology.groups(r) is None:
-                    raise ValueError(
-                        f"transport='allreduce' needs uniform group rounds, but round {r} of "
-                        f"{topology!r} has arbitrary weights; use 'p2p' or 'auto'"
-                    )
+        for r in range(topology.period):
+            if topology.groups(r) is None and transport == "allreduce":
+                raise ValueError(
+                    f"transport='allreduce' needs uniform group rounds, but round {r} of "
+                    f"{topology!r} has arbitrary weights; use 'p2p' or 'auto'"
+                )
+            if topology.groups(r) is None and compression is not None:
+                raise ValueError(
+                    f"compression={compression!r} needs rounds that average uniform groups "
+                    f"(complete, ring, one-peer-exp, alternating-exp-ring, or a CustomTopology "
+                    f"of group averages), but round {r} of {topology!r} has arbitrary weights; "
+                    "use compression=None with this topology"
+                )
         global_ranks = [dist.get_global_rank(group, r) for r in range(world_size)]
         self._link = Link(
             group, dist.get_rank(group), world_size, global_ranks, timeout, slot * TAGS_PER_SLOT
         )
         self.topology, self.transport, self.timeout = topology, transport, timeout
         self.group, self.rank, self.world_size = group, self._link.rank, world_size
+        self._compressed: dict[tuple[int, ...], CompressedGroup] = {}
         subgroups = self._create_subgroups()
         self._rounds = [self._choose(r, subgroups) for r in range(topology.period)]
         self._global = GroupAllReduce(self._link, world_size, group)
+        if compression is not None and not any(
+            self._compresses(g) for r in range(topology.period) for g in topology.groups(r) or []
+        ):
+            warnings.warn(
+                f"compression={compression!r} has no effect: no round of {topology!r} averages "
+                f"across nodes (local_world_size={topology.local_world_size}), and exchanges "
+                "inside a node stay exact. Pass local_world_size=1 to treat every worker as a node",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def _compresses(self, members: tuple[int, ...]) -> bool:
+        """Whether the group's rounds are compressed: it spans nodes and a codec was given."""
+        if self._codec is None:
+            return False
+        return Parts(members, members[0], self.topology.local_world_size).crosses_nodes
+
+    def _by_node(self, members: tuple[int, ...]) -> bool:
+        """Whether an exact group round goes by node (:mod:`~decent_optim.gossip.nodes`): its
+        ranks live on several nodes, several on each, and no transport is forced."""
+        parts = Parts(members, members[0], self.topology.local_world_size)
+        return self.transport == "auto" and parts.crosses_nodes and parts.width > 1
+
+    def _compressed_group(self, members: tuple[int, ...]) -> CompressedGroup:
+        """The strategy of a compressed group: one per group, whose public copies serve every
+        round of the period that has this group."""
+        found = self._compressed.get(members)
+        if found is None:
+            parts = Parts(members, self.rank, self.topology.local_world_size)
+            found = CompressedGroup(self._link, parts, self._codec)  # type: ignore[arg-type]
+            self._compressed[members] = found
+        return found
 
     def _uses_allreduce(self, members: tuple[int, ...]) -> bool:
         if self.transport == "p2p":
@@ -116,7 +172,9 @@ class Gossiper:
                 g
                 for r in range(self.topology.period)
                 for g in self.topology.groups(r) or []
-                if self._uses_allreduce(g) and len(g) < self.world_size
+                if self._uses_allreduce(g)
+                and len(g) < self.world_size
+                and not (self._compresses(g) or self._by_node(g))
             }
         )
         if needed and dist.get_world_size() != self.world_size:
@@ -146,6 +204,10 @@ class Gossiper:
         mine = next(g for g in groups if self.rank in g)
         if len(mine) == 1:
             return Idle()
+        if self._compresses(mine):
+            return self._compressed_group(mine)
+        if self._by_node(mine):
+            return NodeAverage(self._link, Parts(mine, self.rank, self.topology.local_world_size))
         if self._uses_allreduce(mine):
             return GroupAllReduce(self._link, len(mine), subgroups[mine])
         return PointToPoint(self._link, self.topology)
@@ -171,3 +233,11 @@ class Gossiper:
     def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
         """A receive buffer of bucket ``index`` that no round is using now (see :class:`Link`)."""
         return self._link.idle_buffer(index, like)
+
+    def reset(self) -> None:
+        """Forget the public copies of compressed groups; their next rounds send exact values.
+
+        Every rank must call it at the same point (e.g. when resuming from a checkpoint).
+        """
+        for exchange in self._compressed.values():
+            exchange.reset()

@@ -90,6 +90,11 @@ class DecentralizedOptimizer(Optimizer):
             one with ``torch.compile`` (see :mod:`decent_optim.rules.compiled`): None (default)
             for buckets of at least 2**20 elements, True for every bucket, False never. The
             other updates always run torch's fused kernels.
+        compression: None (default) sends exact parameters. ``"bf16"`` or ``"int8"`` (a scale
+            per 1024 values) compresses what crosses between nodes, as differences against
+            public copies with error feedback (CHOCO-gossip): errors do not accumulate and every
+            round keeps the mean. Needs rounds that average uniform groups (every named
+            topology) and memory for the copies; see :doc:`/algorithms` ("Compressed gossip").
     """
 
     #: the algorithm: its state, its update
@@ -122,6 +127,7 @@ class DecentralizedOptimizer(Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        compression: str | None = None,
     ) -> None:
         failure = None
         self._building = True
@@ -129,7 +135,7 @@ class DecentralizedOptimizer(Optimizer):
             check_unsupported(
                 type(self).__name__, capturable=capturable, differentiable=differentiable
             )
-            check_decentralized(topology, bucket_cap_mb, local_world_size)
+            check_decentralized(topology, bucket_cap_mb, local_world_size, compression)
             wait_limit = check_timeout(timeout)
             check_global_avg_every(global_avg_every)
             flags = dict(maximize=maximize, foreach=foreach, fused=fused)
@@ -150,6 +156,7 @@ class DecentralizedOptimizer(Optimizer):
             local_world_size=local_world_size,
             timeout=wait_limit,
             global_avg_every=global_avg_every,
+            compression=compression,
         )
         self.topology, self._member = start.topology, start.member
         self._where = (start.group, start.device)  # of load_state_dict's cross-check
@@ -283,24 +290,17 @@ class DecentralizedOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch.optim-format state; the round counter comes from the ``decent_optim`` entry.
 
-        A collective: every rank loads its own file at the same point. Before anything changes
-        the ranks check their files and compare the rounds they were saved at; a file of
-        another rank, world size or topology, or files of different steps, raise the same
-        error on every rank. Without the entry (a torch.optim checkpoint, e.g. from DDP
-        training) the counter is the largest per-parameter ``step`` in the state, or 0, and no
-        round is in flight. Works in both orders of resuming: build the optimizer, then load
-        model and optimizer state; or load the model's (per-rank) weights, build the optimizer,
-        then load its state -- the rank's weights replace the start-up broadcast again when
-        they are the ones saved with this checkpoint.
+        A collective: every rank loads its own file at the same point, and a file of another
+        rank, world size, topology or step raises the same error on every rank before anything
+        changes. Without the entry (a torch.optim checkpoint) the counter is the largest
+        per-parameter ``step``, or 0. Resuming works in both orders (model weights loaded
+        before or after building the optimizer; see :class:`~decent_optim.optim.startup.Stash`).
         """
         checkpoint.load(self, state_dict)
 
     def _readopt(self) -> None:
         """Take back parameters moved with ``.to()`` or given new ``.data`` (see :mod:`~decent_optim.flat`)."""
-        if self._flat.moved():
-            self._rounds.wait(check_writes=False)  # its sends read the old memory, unwritten
-            self._flat.readopt(type(self).__name__)
-            self._rounds.record_versions()  # the versions of the memory taken back
+        self._rounds.readopt(type(self).__name__)
 
     def __del__(self) -> None:
         # Finish a round still in flight before its buffers and handles go away: gloo aborts

@@ -36,6 +36,7 @@ class Options(TypedDict, total=False):
     capturable: bool
     differentiable: bool
     fused: bool | None
+    compression: str | None
 
 
 def with_defaults(

@@ -81,6 +81,14 @@ class Rounds:
             self._pending.wait()
             self._versions = None  # the sends are complete: writes are safe until the next launch
 
+    def readopt(self, owner: str) -> None:
+        """Take back parameters moved with ``.to()`` or given new ``.data`` (``owner`` names the
+        optimizer in errors): after the round's transfers, which read the old, unwritten memory."""
+        if self._flat.moved():
+            self.wait(check_writes=False)
+            self._flat.readopt(owner)
+            self.record_versions()  # the versions of the memory taken back
+
     def check_free(self, what: str) -> None:
         """Raise if ``what`` would be undone by the block holding the buffers."""
         if self.held_by is not None:
@@ -119,6 +127,7 @@ class Rounds:
         if self._pending is not None:
             self._pending.discard()  # the round of the old trajectory: finish it, drop it
             self._pending = None
+        self.gossip.reset()  # public copies of compressed gossip: the next rounds send exact values
         self.count, self._relaunch, self._versions = count, in_flight, None
 
     def _take(self) -> GossipHandle | None:

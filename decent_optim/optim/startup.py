@@ -73,6 +73,7 @@ _HINTS = {
     "by torchrun); or pass the same local_world_size= on every rank",
     "global_avg_every": "Pass the same global_avg_every on every rank",
     "bucket_cap_mb": "Pass the same bucket_cap_mb on every rank: the buckets are the messages",
+    "compression": "Pass the same compression= on every rank: peers decode what they receive",
     "param groups": "Pass the same param groups on every rank",
 }
 _ITEM_HINT = (
@@ -159,6 +160,7 @@ def connect(
     local_world_size: int | None,
     timeout: datetime.timedelta | None,
     global_avg_every: int | None,
+    compression: str | None = None,
 ) -> Connected:
     """Steps 1-4 of the module docstring for the parameters of each param group in ``groups``.
 
@@ -180,7 +182,7 @@ def connect(
         if group is not None:
             check_devices(group, every)
         topo = topologies.get(topology, world_size, resolve_local_world_size(local_world_size))
-        account = describe(groups, names, name, topo, global_avg_every, bucket_cap_mb)
+        account = describe(groups, names, name, topo, global_avg_every, bucket_cap_mb, compression)
         account.settings.insert(1, ("optimizer number", str(number)))
         check_disjoint(every, [label for label, _ in account.items])
         own = None
@@ -212,7 +214,13 @@ def connect(
     broadcast_([p.detach() for p in frozen], group)
     differs = any(not torch.equal(a, b) for a, b in zip(own_values, flat.buffers))
     stash = Stash(own_values, flat.buffers) if differs else None
-    gossip = Gossiper(topo, channel(group, member.slot), timeout=timeout, slot=member.slot)
+    gossip = Gossiper(
+        topo,
+        channel(group, member.slot),
+        timeout=timeout,
+        slot=member.slot,
+        compression=compression,
+    )
     return Connected(gossip, topo, flat, frozen, stash, member, group, device)
 
 
@@ -223,6 +231,7 @@ def describe(
     topo: Topology,
     global_avg_every: int | None,
     bucket_cap_mb: float,
+    compression: str | None = None,
 ) -> Account:
     """What this rank builds, as the ranks compare it (step 2 of the module docstring)."""
     settings = [
@@ -231,6 +240,7 @@ def describe(
         ("topology", topology_key(topo)),
         ("global_avg_every", repr(global_avg_every)),
         ("bucket_cap_mb", repr(float(bucket_cap_mb))),
+        ("compression", repr(compression)),
         ("param groups", str(len(groups))),
     ]
     items = [

@@ -46,14 +46,22 @@ Assumptions
 * Communication times come either measured (:mod:`decent_optim.plan`) or from message size and
   link bandwidths (:func:`allreduce_time`, :func:`gossip_round_times`): ranks are numbered node
   by node, every node has one uplink of bandwidth ``inter_bw`` in each direction shared by its
-  workers, traffic inside a node moves at ``intra_bw`` per worker, groups of three or more
-  average by a ring all-reduce (about ``2 (k-1)/k`` messages per worker), pairs by one send and
-  one receive each (what :class:`~decent_optim.gossip.Gossiper` does).
+  workers, traffic inside a node moves at ``intra_bw`` per worker; groups with several ranks on
+  each of several nodes average by node (one copy per direction over each uplink), other groups
+  of three or more by a ring all-reduce (about ``2 (k-1)/k`` messages per worker), pairs by one
+  send and one receive each (what :class:`~decent_optim.gossip.Gossiper` does). With
+  ``compression`` the groups across nodes send :func:`wire_bytes` instead of float copies.
 """
 
 from __future__ import annotations
 
-from decent_optim.runtime.links import allreduce_time, gossip_round_times, parse_rate
+from decent_optim.runtime.links import (
+    WIRE_BYTES,
+    allreduce_time,
+    gossip_round_times,
+    parse_rate,
+    wire_bytes,
+)
 from decent_optim.runtime.model import (
     Prediction,
     Workload,
@@ -65,6 +73,7 @@ from decent_optim.runtime.model import (
 )
 
 __all__ = [
+    "WIRE_BYTES",
     "Prediction",
     "Workload",
     "allreduce_time",
@@ -75,4 +84,5 @@ __all__ = [
     "predict_gossip",
     "recommend",
     "round_degrees",
+    "wire_bytes",
 ]

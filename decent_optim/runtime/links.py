@@ -2,13 +2,25 @@
 
 Ranks are numbered node by node; every node has one uplink of bandwidth ``inter_bw`` in each
 direction shared by its workers, traffic inside a node moves at ``intra_bw`` per worker.
+
+A group of a round whose ranks sit on several nodes, with the same number :math:`L > 1` on each
+of :math:`p` nodes, averages by node (:mod:`decent_optim.gossip.nodes`): its members exchange
+:math:`(L-1)/L` of the buffer inside the node before and after, and each sends its :math:`1/L`
+shard to its counterpart on each of the other :math:`p - 1` nodes, so an uplink carries
+:math:`p - 1` copies of the buffer per direction. With ``compression`` the groups that cross
+nodes send, instead of the float copies, :data:`WIRE_BYTES` per element (bf16: 2 bytes, int8:
+1 byte plus a float32 scale per 1024 elements); other groups are modelled as exact.
 """
 
 from __future__ import annotations
 
 from decent_optim.runtime.schedule import Schedule
 
-__all__ = ["allreduce_time", "gossip_round_times", "parse_rate"]
+__all__ = ["WIRE_BYTES", "allreduce_time", "gossip_round_times", "parse_rate", "wire_bytes"]
+
+#: bytes on the wire per element for each ``compression=`` (those of
+#: :mod:`decent_optim.gossip.codecs`, written out here so that this package needs no torch)
+WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 4.0 / 1024}
 
 
 _BITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
@@ -35,6 +47,26 @@ def parse_rate(rate: str | float) -> float:
     if not value > 0:
         raise ValueError(f"rate must be > 0, got {rate!r}")
     return value
+
+
+def wire_bytes(nbytes: float, compression: str | None, element_size: int = 4) -> float:
+    """Bytes that cross a link for a copy of ``nbytes`` (elements of ``element_size`` bytes)."""
+    if compression is None:
+        return nbytes
+    if compression not in WIRE_BYTES:
+        raise ValueError(
+            f"compression must be None or one of {sorted(WIRE_BYTES)}, got {compression!r}"
+        )
+    return nbytes / element_size * WIRE_BYTES[compression]
+
+
+def _node_parts(group: tuple[int, ...], local: int) -> list[tuple[int, ...]]:
+    """The group split by node; single ranks when the nodes hold unequal numbers of members."""
+    nodes: dict[int, list[int]] = {}
+    for r in group:
+        nodes.setdefault(r // local, []).append(r)
+    parts = [tuple(m) for _, m in sorted(nodes.items())]
+    return parts if len({len(p) for p in parts}) == 1 else [(r,) for r in group]
 
 
 def _check_link(nbytes: float, intra_bw: float, inter_bw: float, latency: float) -> None:
@@ -76,13 +108,19 @@ def gossip_round_times(
     intra_bw: float,
     inter_bw: float,
     latency: float = 0.0,
+    *,
+    compression: str | None = None,
+    element_size: int = 4,
 ) -> list[float]:
     """Seconds of each round of ``topology``'s period when every worker gossips ``nbytes``.
 
     A round lasts as long as its most loaded link: a node's uplink (bytes its workers send to
     other nodes, over ``inter_bw``) or a worker's own traffic inside its node (over ``intra_bw``).
+    ``compression`` (None, ``"bf16"``, ``"int8"``) shrinks what groups across nodes send, for
+    parameters of ``element_size`` bytes (module docstring).
     """
     _check_link(nbytes, intra_bw, inter_bw, latency)
+    wire = wire_bytes(nbytes, compression, element_size)
     n, local = topology.world_size, topology.local_world_size
     node = [r // local for r in range(n)]
     times = []
@@ -104,6 +142,11 @@ def gossip_round_times(
             k = len(g)
             if k == 1:
                 continue
+            parts = _node_parts(g, local)
+            crosses = len({node[i] for i in g}) > 1
+            if crosses and (compression is not None or len(parts[0]) > 1):
+                messages = max(messages, _by_node(parts, node, nbytes, wire, uplink, intra))
+                continue
             if k == 2:  # one send each way
                 volume, msgs = nbytes, 1
             else:  # ring all-reduce inside the group
@@ -119,3 +162,27 @@ def gossip_round_times(
         busiest = max(max(uplink) / inter_bw, max(intra) / intra_bw)
         times.append(busiest + messages * latency if busiest or messages else 0.0)
     return times
+
+
+def _by_node(
+    parts: list[tuple[int, ...]],
+    node: list[int],
+    nbytes: float,
+    wire: float,
+    uplink: list[float],
+    intra: list[float],
+) -> int:
+    """Add one by-node group round's traffic (module docstring); returns its messages per rank."""
+    width = len(parts[0])
+    for a, part in enumerate(parts):
+        for slot, i in enumerate(part):
+            intra[i] += 2 * (width - 1) / width * nbytes  # the part's mean, then the gather
+            for b, other in enumerate(parts):
+                if b == a:
+                    continue
+                j = other[slot]
+                if node[i] == node[j]:
+                    intra[i] += wire / width
+                else:
+                    uplink[node[i]] += wire / width
+    return 2 * (width - 1) + len(parts) - 1

@@ -1,0 +1,192 @@
+r"""Groups whose ranks live on several nodes: split by node, average inside, exchange between.
+
+Only the links between nodes are slow. A uniform group of a round whose ranks live on more than
+one node (rank // ``local_world_size``) is split by node into :class:`Parts` of equal size
+:math:`L` (parts of unequal size are split into single ranks). Member ``k`` of a part handles
+the ``k``-th of :math:`L` shards of every buffer, so that each part exchanges exactly one copy of
+the buffer with every other part, spread over its members, and every slow link carries one copy
+per direction -- a ring all-reduce over the whole group
+(:class:`~decent_optim.gossip.allreduce.GroupAllReduce`) carries :math:`2(k-1)/k` of a copy per
+hop, 1.5 copies for a group of 4 on two nodes. A round, for a member of part :math:`a` of :math:`p` parts:
+
+1. (launch, :math:`L > 1`) send each partner its shard of the values, receive the own shard of
+   theirs, average: :math:`m_a`, the part's mean on this shard (the launch waits for the
+   partners, which sit on the same node);
+2. (launch) send :math:`m_a` -- or, compressed (:mod:`~decent_optim.gossip.compressed`), a
+   compressed change of it -- to the member with this shard in every other part, and post the
+   receives of theirs;
+3. (mix) write the shard of the result;
+4. (mix, :math:`L > 1`) exchange the written shards with the partners.
+
+:class:`NodeAverage` is the exact round, :math:`x_i \leftarrow \frac1p \sum_b m_b`, the group
+mean (every member sums the parts in the same order, so all hold the same bits); the compressed
+one is :class:`~decent_optim.gossip.compressed.CompressedGroup`. Everything travels point to
+point, so no process sub-groups are needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from decent_optim.gossip.codecs import CHUNK
+from decent_optim.gossip.exchange import Exchange, Link
+from decent_optim.gossip.handle import NO_MIX, GossipHandle, PendingMix
+
+__all__ = ["AcrossNodes", "NodeAverage", "Parts", "post"]
+
+
+class Parts:
+    """How one averaging group of a round splits over nodes, as seen from ``rank``.
+
+    Args:
+        group: the group's ranks, ascending.
+        rank: this rank (a member).
+        local_world_size: ranks per node; rank ``r`` is on node ``r // local_world_size``.
+    """
+
+    def __init__(self, group: Sequence[int], rank: int, local_world_size: int) -> None:
+        nodes: dict[int, list[int]] = {}
+        for member in group:
+            nodes.setdefault(member // local_world_size, []).append(member)
+        parts = [tuple(members) for _, members in sorted(nodes.items())]
+        if len({len(p) for p in parts}) > 1:  # unequal parts cannot pair shard for shard
+            parts = [(member,) for member in group]
+        self.group, self.parts, self.rank = tuple(group), parts, rank
+        self.width = len(parts[0])
+        self.mine = next(a for a, part in enumerate(parts) if rank in part)
+        self.slot = parts[self.mine].index(rank)
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return len(self.parts) > 1
+
+    def counterparts(self) -> list[int]:
+        """The member with this rank's shard in every other part, in part order."""
+        return [part[self.slot] for a, part in enumerate(self.parts) if a != self.mine]
+
+    def partners(self) -> list[tuple[int, int]]:
+        """``(shard, rank)`` of the other members of this rank's part."""
+        return [(k, m) for k, m in enumerate(self.parts[self.mine]) if m != self.rank]
+
+    def shard(self, numel: int, k: int) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` of shard ``k`` of a buffer of ``numel`` (whole int8 chunks)."""
+        size = -(-numel // self.width)
+        size = -(-size // CHUNK) * CHUNK
+        lo = min(k * size, numel)
+        return lo, min(lo + size, numel)
+
+    def __repr__(self) -> str:
+        return f"Parts({self.parts}, rank={self.rank})"
+
+
+class AcrossNodes(Exchange):
+    """The steps 1 and 4 of the module docstring, shared by the exact and compressed rounds."""
+
+    def __init__(self, link: Link, parts: Parts) -> None:
+        self.link, self.parts = link, parts
+
+    def _shards(
+        self, buffers: Sequence[Tensor], step: int
+    ) -> tuple[list[tuple[int, int]], list[Tensor], list[Tensor]]:
+        """This rank's shard of every buffer: its bounds, the views, and the part's means."""
+        parts = self.parts
+        shards = [parts.shard(b.numel(), parts.slot) for b in buffers]
+        own = [b[lo:hi] for b, (lo, hi) in zip(buffers, shards)]
+        means = self._part_means(buffers, shards, step) if parts.width > 1 else own
+        return shards, own, means
+
+    def _part_means(
+        self, buffers: Sequence[Tensor], shards: list[tuple[int, int]], step: int
+    ) -> list[Tensor]:
+        """Step 1: the mean over this rank's part of its shard of every buffer (waits for it)."""
+        parts, link = self.parts, self.link
+        partners = parts.partners()
+        receives, sends, received = [], [], []
+        for b, (buf, (lo, hi)) in enumerate(zip(buffers, shards)):
+            theirs = [
+                link.scratch(("part", b, k), hi - lo, buf.dtype, buf.device) for k, _ in partners
+            ]
+            received.append(theirs)
+            for (k, peer), r in zip(partners, theirs):
+                receives.append((r, peer, b))
+                a, z = parts.shard(buf.numel(), k)
+                sends.append((buf[a:z], peer, b))
+        self._wait(post(link, receives, sends), step)
+        means = []
+        for b, (buf, (lo, hi)) in enumerate(zip(buffers, shards)):
+            mean = link.scratch(("mean", b), hi - lo, buf.dtype, buf.device)
+            torch.add(buf[lo:hi], received[b][0], out=mean)
+            for r in received[b][1:]:
+                mean.add_(r)
+            means.append(mean.div_(parts.width))
+        return means
+
+    def _gather(self, buffers: Sequence[Tensor], shards: list[tuple[int, int]], step: int) -> None:
+        """Step 4: every member's mixed shard into every partner's buffers."""
+        receives, sends = [], []
+        for b, (buf, (lo, hi)) in enumerate(zip(buffers, shards)):
+            for k, peer in self.parts.partners():
+                a, z = self.parts.shard(buf.numel(), k)
+                receives.append((buf[a:z], peer, b))
+                sends.append((buf[lo:hi], peer, b))
+        self._wait(post(self.link, receives, sends), step)
+
+    def _wait(self, works: list[tuple[Any, int | None]], step: int) -> None:
+        """Complete the exchanges of a step of the round (raises GossipError after the timeout)."""
+        link = self.link
+        GossipHandle(works, None, round=step, rank=link.rank, timeout=link.timeout).wait()
+
+
+class NodeAverage(AcrossNodes):
+    """The exact group mean over parts of more than one rank (module docstring)."""
+
+    def start(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
+        parts, link = self.parts, self.link
+        shards, own, means = self._shards(buffers, step)
+        peers = parts.counterparts()
+        received = [
+            [link.scratch(("from", b, k), m.numel(), m.dtype, m.device) for k in range(len(peers))]
+            for b, m in enumerate(means)
+        ]
+        receives = [(r, peer, b) for b, rs in enumerate(received) for peer, r in zip(peers, rs)]
+        sends = [(m, peer, b) for b, m in enumerate(means) for peer in peers]
+        works = post(link, receives, sends)
+
+        def finish(defer_addend: bool) -> list[PendingMix]:
+            for b, x in enumerate(own):
+                ordered = received[b][: parts.mine] + [means[b]] + received[b][parts.mine :]
+                # straight into the shard: every addend is a scratch buffer (parts of more
+                # than one rank), so no copy of the sum is needed
+                torch.add(ordered[0], ordered[1], out=x)
+                for m in ordered[2:]:
+                    x.add_(m)
+                x.div_(len(ordered))
+            if parts.width > 1:
+                self._gather(buffers, shards, step)
+            return [NO_MIX] * len(buffers)
+
+        return link.handle(works, finish, buffers, step)
+
+
+def post(
+    link: Link, receives: list[tuple[Tensor, int, int]], sends: list[tuple[Tensor, int, int]]
+) -> list[tuple[Any, int | None]]:
+    """Post ``(buffer, group rank, tag)`` receives, then sends; empty buffers are skipped.
+
+    Receives go first for the reason :mod:`~decent_optim.gossip.p2p` gives. Both sides skip the
+    same empty buffers: their sizes follow from the buffer sizes alone.
+    """
+    ops, peers = [], []
+    for kind, items in ((dist.irecv, receives), (dist.isend, sends)):
+        for buf, peer, tag in items:
+            if buf.numel():
+                ops.append(dist.P2POp(kind, buf, link.global_ranks[peer], link.group, tag=tag))
+                peers.append(peer)
+    if not ops:
+        return []
+    return list(zip(dist.batch_isend_irecv(ops), peers))
