@@ -270,32 +270,19 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m decent_optim.plan", description=__doc__.splitlines()[0]
     )
     positive_int, positive = _number(int, 0, True), _number(float, 0, True)
-    p.add_argument(
-        "--params", type=positive, default=10e6, help="model size in parameters (default 10M)"
-    )
-    p.add_argument(
-        "--layers", type=positive_int, default=4, help="square layers of the synthetic workload"
-    )
-    p.add_argument(
-        "--batch", type=positive_int, default=64, help="rows per forward of the synthetic workload"
-    )
+    at_least_0 = _number(float, 0, False)
+    for flag, kind, default, about in [
+        ("--params", positive, 10e6, "model size in parameters (default 10M)"),
+        ("--layers", positive_int, 4, "square layers of the synthetic workload"),
+        ("--batch", positive_int, 64, "rows per forward of the synthetic workload"),
+        ("--iters", positive_int, 10, "timed compute iterations per rank"),
+        ("--reps", positive_int, 3, "timed repetitions of each communication"),
+        ("--compute-ms", positive, None, "use this compute time instead"),
+        ("--compute-std-ms", at_least_0, 0.0, "its spread across ranks"),
+        ("--overlap", at_least_0, 1.0, "fraction of DDP's all-reduce that backward can hide"),
+    ]:
+        p.add_argument(flag, type=kind, default=default, help=about)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--iters", type=positive_int, default=10, help="timed compute iterations per rank"
-    )
-    p.add_argument(
-        "--reps", type=positive_int, default=3, help="timed repetitions of each communication"
-    )
-    p.add_argument(
-        "--compute-ms", type=positive, default=None, help="use this compute time instead"
-    )
-    p.add_argument("--compute-std-ms", type=_number(float, 0, False), default=0.0)
-    p.add_argument(
-        "--overlap",
-        type=_number(float, 0, False),
-        default=1.0,
-        help="fraction of DDP's all-reduce that can hide behind backward (default 1)",
-    )
     p.add_argument(
         "--topologies",
         nargs="+",
