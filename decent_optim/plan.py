@@ -1,8 +1,10 @@
 """Measure this cluster and predict which method trains fastest: ``python -m decent_optim.plan``.
 
-Run it with the launcher and node layout of the real job, for example::
+Run it under torchrun with the node layout of the real job, for example::
 
-    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:PORT -m decent_optim.plan --params 65e6
+    torchrun --standalone --nproc-per-node 4 -m decent_optim.plan --params 65e6    # one machine
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+        -m decent_optim.plan --params 65e6                                         # on each machine
 
 In well under a minute it measures, at the given model size:
 
@@ -11,7 +13,9 @@ In well under a minute it measures, at the given model size:
   forward's share of it;
 * the local optimizer step (torch's fused AdamW on that many parameters);
 * one all-reduce of the whole model (what DDP moves per iteration, without its overlap);
-* one gossip round of each topology that fits the world size, round by round.
+* one gossip round of each topology that fits the world size, round by round (a topology that
+  does not fit -- ``one-peer-exp`` needs a power-of-two number of workers -- is listed under the
+  table with the reason).
 
 Rank 0 then prints the :mod:`decent_optim.runtime` predictions: time per iteration for
 All-Reduce and each topology and the speedup over All-Reduce. Your model's compute time can be
@@ -171,12 +175,14 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         "update_s": update,
         "allreduce_s": _allreduce_time(numel, args.reps, device, dtype),
         "gossip": {},
+        "skipped": {},
     }
     for name in args.topologies:
         try:
             topo = topologies.get(name, n, local)
-        except ValueError:
-            continue  # this world size or node layout does not fit the topology
+        except ValueError as err:  # this world size or node layout does not fit the topology
+            result["skipped"][name] = str(err)  # printed under the table: why it is missing
+            continue
         result["gossip"][name] = {
             "round_s": _gossip_round_times(topo, numel, args.reps, device, dtype),
             "degrees": runtime.round_degrees(topo),
@@ -215,32 +221,79 @@ def format_table(measured: dict, rows: list[tuple[runtime.Prediction, float]]) -
         )
     best, speedup = rows[0]
     lines += ["", f"recommended: {best.method} ({speedup:.2f}x the speed of all-reduce, predicted)"]
+    for name, reason in m.get("skipped", {}).items():
+        lines.append(f"not measured: {name}: {reason}")
     return "\n".join(lines)
+
+
+#: how to launch it, for --help and for the error when it was not launched that way
+LAUNCH = (
+    "Run it under torchrun, with the node layout of the real job: on one machine\n"
+    "  torchrun --standalone --nproc-per-node 4 -m decent_optim.plan --params 65e6\n"
+    "and on several, the same command on every machine with --nnodes N and a rendezvous\n"
+    "endpoint (--rdzv-backend c10d --rdzv-endpoint HOST:PORT) instead of --standalone."
+)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m decent_optim.plan", description=__doc__.splitlines()[0]
+        prog="python -m decent_optim.plan",
+        description="Measure this cluster and predict which method trains fastest.\nIt must run "
+        "under torchrun, in every process of the job (see the end of this help).",
+        epilog=LAUNCH
+        + "\n\nTopologies that do not fit the world size are left out, with the reason printed\n"
+        "under the table: one-peer-exp needs a power-of-two number of workers,\n"
+        "alternating-exp-ring a power-of-two number of nodes (at least 2).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--params", type=float, default=10e6, help="model size in parameters (default 10M)"
     )
-    p.add_argument("--layers", type=int, default=4, help="square layers of the synthetic workload")
     p.add_argument(
-        "--batch", type=int, default=64, help="rows per forward of the synthetic workload"
+        "--layers", type=int, default=4, help="square layers of the synthetic workload (default 4)"
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--iters", type=int, default=10, help="timed compute iterations per rank")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions of each communication")
-    p.add_argument("--compute-ms", type=float, default=None, help="use this compute time instead")
-    p.add_argument("--compute-std-ms", type=float, default=0.0)
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=64,
+        help="rows per forward of the synthetic workload (default 64)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the parameters and of what is exchanged (default float32)",
+    )
+    p.add_argument(
+        "--iters", type=int, default=10, help="timed compute iterations per rank (default 10)"
+    )
+    p.add_argument(
+        "--reps", type=int, default=3, help="timed repetitions of each communication (default 3)"
+    )
+    p.add_argument(
+        "--compute-ms",
+        type=float,
+        default=None,
+        help="your model's forward+backward time in ms, instead of the synthetic workload's",
+    )
+    p.add_argument(
+        "--compute-std-ms",
+        type=float,
+        default=0.0,
+        help="its standard deviation across ranks and iterations, in ms (with --compute-ms)",
+    )
     p.add_argument(
         "--overlap",
         type=float,
         default=1.0,
         help="fraction of DDP's all-reduce that can hide behind backward (default 1)",
     )
-    p.add_argument("--topologies", nargs="+", default=topologies.names())
+    p.add_argument(
+        "--topologies",
+        nargs="+",
+        default=topologies.names(),
+        help=f"topologies to measure (default: all, {' '.join(topologies.names())})",
+    )
     p.add_argument("--json", default=None, help="also write the measurements and predictions here")
     return p
 
@@ -251,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--overlap must be in [0, 1], got {args.overlap}")
     if "RANK" not in os.environ:
         raise SystemExit(
-            "run me under torchrun, e.g. torchrun --nproc-per-node 2 -m decent_optim.plan"
+            "decent_optim.plan measures the job's communication, so it must run in every "
+            "process of the job. " + LAUNCH
         )
     device = init_from_environment()
     try:

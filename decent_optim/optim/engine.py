@@ -25,7 +25,7 @@ from decent_optim._validation import (
 )
 from decent_optim.gossip.handle import NO_MIX
 from decent_optim.optim import checkpoint, consensus
-from decent_optim.optim.inputs import gradients
+from decent_optim.optim.inputs import gradients, warn_if_averaged
 from decent_optim.optim.options import ParamsT, with_defaults
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.startup import connect
@@ -142,6 +142,7 @@ class DecentralizedOptimizer(Optimizer):
         self._rounds = Rounds(start.gossip, start.flat, global_avg_every)
         self._flat_state = FlatState(start.flat.buckets, self.rule)
         self.state = self._flat_state.wrap(self.state)
+        self._checked_grads = False
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -172,6 +173,10 @@ class DecentralizedOptimizer(Optimizer):
             first=not self._rounds.count and not self.state,
         )
         self._stash = None  # training has begun from the broadcast values
+        if not self._checked_grads:  # once: were the gradients all-reduced (DDP) already?
+            self._checked_grads = True
+            device = self._flat.buckets[0].device if self._flat.buckets else torch.device("cpu")
+            warn_if_averaged(grads, self._rounds.gossip, type(self).__name__, device)
         if self._flat_state.stale:
             self._flat_state.rebind(self.state, self.param_groups)
         mixes = self._rounds.take()
