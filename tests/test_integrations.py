@@ -411,6 +411,41 @@ def test_lightning_strategy_trains_resumes_exactly_and_validates_the_consensus(t
     assert {"epoch=1-step=16.ckpt.rank0-of-2.pt", "epoch=1-step=16.ckpt.rank1-of-2.pt"} <= names
 
 
+def _lightning_refuses_a_torch_optimizer(rank, world_size, out):
+    import lightning as L
+
+    from decent_optim.integrations.lightning import DecentralizedStrategy
+
+    class Plain(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, index):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    trainer = L.Trainer(
+        max_epochs=1, strategy=DecentralizedStrategy(), accelerator="cpu", devices=2,
+        logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=out,
+    )  # fmt: skip
+    try:
+        trainer.fit(Plain(), _regression_data(1, 16))
+    except TypeError as err:
+        return str(err)
+    return "trained"
+
+
+@needs_lightning
+@pytest.mark.multiprocess
+def test_lightning_strategy_refuses_an_optimizer_that_would_train_each_rank_alone(tmp_path):
+    for text in run_world(_lightning_refuses_a_torch_optimizer, 2, str(tmp_path), timeout=300):
+        assert "configure_optimizers must return a decent_optim optimizer" in text, text
+        assert "got AdamW" in text
+
+
 # -- torch's PostLocalSGDOptimizer with a gossip averager --------------------------------------------
 
 
