@@ -11,6 +11,7 @@ from decent_optim.optim.dadam import DecentralizedAdam, DecentralizedAdamW
 from decent_optim.optim.dsgd import DSGD
 from decent_optim.optim.engine import DecentralizedOptimizer
 from decent_optim.topologies import Topology
+from decent_optim.wrappers import unwrap
 
 __version__ = "0.1.0"
 
@@ -24,4 +25,5 @@ __all__ = [
     "Topology",
     "__version__",
     "topologies",
+    "unwrap",
 ]

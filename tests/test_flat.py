@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from decent_optim.flat import Bucket, FlatParams, check_flattenable
+from decent_optim.flat import (
+    Bucket,
+    FlatParams,
+    _check_readoptable,
+    check_disjoint,
+    check_flattenable,
+)
 
 
 def _params(shapes, dtype=torch.float32):
@@ -31,8 +37,9 @@ def test_every_parameter_keeps_its_values_and_views_exactly_one_bucket(shapes, c
         assert bucket.numel <= cap_elements or len(bucket.params) == 1
         assert bucket.numel == sum(p.numel() for p in bucket.params)
         for p, offset in zip(bucket.params, bucket.offsets):
-            assert p.untyped_storage().data_ptr() == bucket.data.untyped_storage().data_ptr()
-            assert p.storage_offset() == offset
+            # its stretch of the bucket's memory, under a storage object of its own size
+            assert p.data_ptr() == bucket.data.data_ptr() + offset * p.element_size()
+            assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
     for p, v in zip(params, values):
         assert torch.equal(p.detach(), v)
     # writing the bucket writes the parameters, and the reverse
@@ -87,13 +94,91 @@ def test_step_counters_are_one_float32_vector_with_a_view_per_parameter():
     assert all(v.dim() == 0 for v in views)
 
 
-def test_a_parameter_that_stopped_viewing_its_bucket_is_reported():
+def test_a_parameter_given_new_data_is_taken_back_with_its_values():
     params = _params([(3,), (2,)])
     flat = FlatParams([params], bucket_cap_mb=1)
-    flat.check_aliasing()
-    params[1].data = torch.zeros(2)
-    with pytest.raises(RuntimeError, match=r"shape \(2,\) no longer views the optimizer's flat"):
-        flat.check_aliasing()
+    assert not flat.moved()
+    params[1].data = torch.tensor([5.0, 6.0])
+    assert flat.moved()
+    flat.readopt("DSGD")
+    assert not flat.moved()
+    assert flat.buckets[0].data[3:].tolist() == [5.0, 6.0]
+    flat.buckets[0].data.fill_(1.0)  # aliases the bucket again
+    assert params[1].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "new, match",
+    [
+        (torch.zeros(3), r"shape \(2,\) \(torch.float32 on cpu\) got `.data` of shape \(3,\)"),
+        (
+            torch.zeros(2, dtype=torch.float64),
+            r"is now torch.float64 on cpu.*model.to\('cpu', torch.float32\)",
+        ),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_new_data_of_another_kind_is_refused_before_anything_changes(new, match):
+    params = _params([(3,), (2,)])
+    flat = FlatParams([params], bucket_cap_mb=1)
+    params[0].data = torch.full((3,), 7.0)  # could be taken back, but the other cannot
+    params[1].data = new
+    with pytest.raises(RuntimeError, match=match):
+        flat.readopt("DSGD")
+    assert not bool((flat.buckets[0].data == 7.0).any()), "nothing is copied before the check"
+
+
+def test_new_data_on_another_device_is_refused():
+    # p.data cannot be set to another device type on this machine (CPU only), so the check is
+    # called with the tensor a parameter moved to cuda would hold
+    alias = _params([(2,)])[0].detach()
+    with pytest.raises(RuntimeError, match=r"is now torch.float32 on meta: the model was moved"):
+        _check_readoptable(torch.zeros(2, device="meta"), alias, "DSGD")
+
+
+def test_aliases_have_their_own_storage_and_keep_the_bucket_alive():
+    conv = nn.Conv2d(3, 4, 1).to(memory_format=torch.channels_last)  # size-1 dims: strides kept
+    strides = conv.weight.stride()
+    flat = FlatParams([list(conv.parameters())], bucket_cap_mb=1)
+    assert conv.weight.stride() == strides
+    data = flat.buckets[0].data
+    del flat
+    data.fill_(2.0)
+    assert bool((conv.weight == 2.0).all()) and bool((conv.bias == 2.0).all())
+
+
+def test_parameters_on_a_device_dlpack_does_not_cover_stay_plain_views():
+    params = [nn.Parameter(torch.empty(s, device="meta")) for s in [(3,), (2, 2)]]
+    check_disjoint(params)  # no memory, nothing shared
+    flat = FlatParams([params], bucket_cap_mb=1)
+    assert [p.shape for p in params] == [(3,), (2, 2)] and params[1].device.type == "meta"
+    assert flat.buckets[0].numel == 7
+
+
+def test_empty_parameters_take_no_memory_of_the_bucket():
+    params = _params([(0,), (2,), (3, 0)])
+    flat = FlatParams([params], bucket_cap_mb=1)
+    assert flat.buckets[0].numel == 2 and [p.shape for p in params] == [(0,), (2,), (3, 0)]
+    assert not flat.moved()
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda p: [p, p], "the same parameter is passed twice"),
+        (lambda p: [p, nn.Parameter(p.data)], r"shapes \(4,\) and \(4,\) share memory"),
+        (lambda p: [nn.Parameter(p.data[:3]), nn.Parameter(p.data[2:])], "share memory"),
+    ],
+    ids=["twice", "same-memory", "overlap"],
+)
+def test_parameters_sharing_memory_are_refused(make, match):
+    with pytest.raises(ValueError, match=match):
+        check_disjoint(make(nn.Parameter(torch.zeros(4))))
+
+
+def test_disjoint_views_of_one_tensor_may_be_parameters():
+    base = torch.zeros(4)
+    check_disjoint([nn.Parameter(base[:2]), nn.Parameter(base[2:])])
 
 
 def test_view_of_uses_the_layout_of_the_given_tensor():

@@ -104,8 +104,8 @@ def test_parameters_become_views_of_flat_buckets_and_training_works():
     assert all(p is q for p, q in zip(before, after)), "the Parameter objects must stay the same"
     for p, v in zip(after, values):
         torch.testing.assert_close(p.detach(), v)  # values kept
-    storages = {p.untyped_storage().data_ptr() for p in after}
-    assert len(storages) < len(after), "parameters should share flat bucket storage"
+    starts, ends = {p.data_ptr() for p in after}, {p.data_ptr() + p.nbytes for p in after}
+    assert starts & ends, "parameters should lie back to back in the memory of a flat bucket"
     x, y = torch.randn(64, 4), torch.randn(64, 1)
     losses = []
     for _ in range(30):
@@ -262,6 +262,24 @@ def test_bad_arguments_raise_before_touching_parameters(cls, kwargs, exc, match)
     assert p.data_ptr() == ptr, "a rejected optimizer must leave the parameters alone"
 
 
+def test_an_optimizer_built_before_init_process_group_under_torchrun_names_the_call(monkeypatch):
+    # what torchrun sets for the second of two workers; the script forgot init_process_group
+    for key, value in dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", RANK="1", LOCAL_RANK="1").items():
+        monkeypatch.setenv(key, value)
+    assert not torch.distributed.is_initialized()
+    p = torch.randn(3, requires_grad=True)
+    ptr = p.data_ptr()
+    with pytest.raises(
+        RuntimeError,
+        match=r"WORLD_SIZE=2 .* no process group.*call torch\.distributed\.init_process_group\(\)",
+    ):
+        dopt.DSGD([p], lr=0.1)
+    assert p.data_ptr() == ptr
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one worker: training alone is what was asked
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    dopt.DSGD([p], lr=0.1)
+
+
 def test_sparse_gradients_are_rejected_at_step():
     emb = nn.Embedding(10, 3, sparse=True)
     opt = dopt.DecentralizedAdam(emb.parameters(), lr=0.1)
@@ -276,12 +294,45 @@ def test_add_param_group_after_construction_says_why_not():
         opt.add_param_group({"params": [torch.randn(2, requires_grad=True)]})
 
 
-def test_reassigned_parameter_data_is_detected():
+def test_reassigned_parameter_data_is_taken_back_at_the_next_step():
+    p, q = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+    opt = dopt.DSGD([p, q], lr=0.1)
+    p.data = torch.zeros(3)  # same shape, dtype and device: the new values are p's
+    p.grad, q.grad = torch.ones(3), torch.ones(3)
+    opt.step()
+    assert torch.equal(p, torch.full((3,), -0.1))
+    with torch.no_grad():
+        p.fill_(1.0)  # p aliases its bucket again: the next step starts from these values
+    opt.step()
+    assert torch.allclose(p, torch.full((3,), 0.9))
+
+
+@pytest.mark.parametrize(
+    "new, match",
+    [
+        (torch.zeros(4), r"shape \(3,\) .* got `.data` of shape \(4,\) after DSGD was built"),
+        (torch.zeros(3, dtype=torch.float64), "is now torch.float64 on cpu: the model was moved"),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_parameter_data_of_another_kind_is_an_error(new, match):
     p = nn.Parameter(torch.randn(3))
     opt = dopt.DSGD([p], lr=0.1)
-    p.data = torch.zeros(3)  # detaches p from the flat buffer the gossip sends
-    p.grad = torch.ones(3)
-    with pytest.raises(RuntimeError, match="no longer views the optimizer's flat buffer"):
+    p.data = new
+    p.grad = torch.ones_like(new)
+    with pytest.raises(RuntimeError, match=match):
+        opt.step()
+
+
+def test_a_model_cast_after_the_optimizer_is_an_error_that_says_what_to_do():
+    model = nn.Linear(2, 2)
+    opt = dopt.DecentralizedAdamW(model.parameters(), lr=0.1)
+    model.double()
+    model(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+    with pytest.raises(
+        RuntimeError,
+        match=r"build the optimizer after it, or move it back with `model.to\('cpu', torch.float32\)`",
+    ):
         opt.step()
 
 

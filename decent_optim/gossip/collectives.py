@@ -39,9 +39,25 @@ def resolve_group(process_group: Any) -> tuple[Any, int]:
                 "process_group was given but torch.distributed is not initialised; call "
                 "dist.init_process_group(...) first"
             )
+        _check_alone()
         return None, 1
     group = process_group if process_group is not None else dist.group.WORLD
     return group, dist.get_world_size(group)
+
+
+def _check_alone() -> None:
+    """Raise when torchrun started several workers but this one has no process group.
+
+    Training alone would go on silently, each worker on its own copy, never mixed.
+    """
+    workers = os.environ.get("WORLD_SIZE", "1")
+    if workers.strip().isdigit() and int(workers) > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={workers.strip()} in the environment (torchrun started {workers.strip()} "
+            "workers), but torch.distributed has no process group, so this worker would train "
+            "alone; call torch.distributed.init_process_group() (e.g. "
+            '`dist.init_process_group("gloo")`, or "nccl" on GPUs) before building the optimizer'
+        )
 
 
 def comm_device(group: Any, params: list[Tensor]) -> torch.device:

@@ -166,6 +166,7 @@ class DecentralizedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._readopt()
         grads = gradients(
             self._flat,
             self._frozen,
@@ -205,6 +206,7 @@ class DecentralizedOptimizer(Optimizer):
         Afterwards the parameters are final for the current step: what the next :meth:`step`
         would have mixed in is already in. Cheap when nothing is in flight.
         """
+        self._readopt()
         self._rounds.synchronize()
 
     def averaged(
@@ -222,6 +224,7 @@ class DecentralizedOptimizer(Optimizer):
             >>> with opt.averaged(model):  # doctest: +SKIP
             ...     val_loss = evaluate(model)
         """
+        self._readopt()
         return consensus.averaged(self._rounds, self._flat.buffers, module)
 
     def consensus_distance(self) -> float:
@@ -230,6 +233,7 @@ class DecentralizedOptimizer(Optimizer):
         A collective (every rank calls it; each gets its own distance), over every gossiped
         parameter, in float64. Uses the current, unmixed values, like the paper's d2c.
         """
+        self._readopt()
         return consensus.distance(self._rounds, self._flat.buffers)
 
     def consensus_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
@@ -281,6 +285,12 @@ class DecentralizedOptimizer(Optimizer):
         stash, self._stash = self._stash, None
         if stash is not None:  # the model was loaded before the optimizer was built
             stash.restore(self._flat.buffers)
+
+    def _readopt(self) -> None:
+        """Take back parameters moved with ``.to()`` or given new ``.data`` (see :mod:`~decent_optim.flat`)."""
+        if self._flat.moved():
+            self._rounds.wait()  # its sends read the old values; the new ones are mixed
+            self._flat.readopt(type(self).__name__)
 
     def __del__(self) -> None:
         # Finish a round still in flight before its buffers and handles go away: gloo aborts

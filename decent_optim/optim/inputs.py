@@ -56,7 +56,6 @@ def gradients(
             "step() was called before any backward(): no parameter has a gradient. Call "
             "loss.backward() first (every rank must then call step() once per iteration)"
         )
-    flat.check_aliasing()
     return grads
 
 

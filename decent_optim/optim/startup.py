@@ -23,7 +23,7 @@ from torch import Tensor
 
 from decent_optim import topologies
 from decent_optim._validation import resolve_local_world_size
-from decent_optim.flat import FlatParams, check_flattenable
+from decent_optim.flat import FlatParams, check_disjoint, check_flattenable
 from decent_optim.gossip import (
     Gossiper,
     LocalGossiper,
@@ -76,6 +76,7 @@ def connect(
     every = [p for params in groups for p in params]
     for p in every:
         check_flattenable(p)
+    check_disjoint(every)
     group, world_size = resolve_group(process_group)
     topo = topologies.get(topology, world_size, resolve_local_world_size(local_world_size))
     if world_size > 1:
