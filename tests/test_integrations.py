@@ -25,13 +25,6 @@ from decent_optim.integrations import common
 HAS_HF = all(importlib.util.find_spec(m) for m in ("transformers", "accelerate", "safetensors"))
 HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
 needs_hf = pytest.mark.skipif(not HAS_HF, reason="needs the hf extra: pip install decent-optim[hf]")
-# Issue 13 ("flat buffers the ecosystem can save and move") makes safetensors write every
-# parameter of a model under our optimizer; until it is merged, Accelerate's save_state loses
-# all but one tensor per bucket (and refuses to load them back). decent_optim.unwrap comes with
-# it: once it exists this test runs, and this mark can go.
-needs_issue13 = pytest.mark.skipif(
-    not hasattr(dopt, "unwrap"), reason="needs issue 13: safetensors saves of flat parameters"
-)
 needs_lightning = pytest.mark.skipif(
     not HAS_LIGHTNING, reason="needs the lightning extra: pip install decent-optim[lightning]"
 )
@@ -275,6 +268,12 @@ def _accelerate_run(out, resume, safe):
     result["distance"] = common.unwrap(opt).consensus_distance()
     if not resume:
         result["saved_consensus"] = saved_consensus
+    # end_training destroys the process group: no round may be in flight then (the world group
+    # of the test's worker pool is kept, so the destruction is recorded instead)
+    destroyed = result["in_flight_at_destroy"] = []
+    rounds = common.unwrap(opt)._rounds
+    accelerator.state.destroy_process_group = lambda group=None: destroyed.append(rounds.in_flight)
+    accelerator.end_training()
     return result
 
 
@@ -298,12 +297,13 @@ def _accelerate_train_and_resume(rank, world_size, out, safe):
         "saved_is_consensus": sorted(saved) == sorted(expected)
         and all(torch.equal(saved[k], expected[k]) for k in expected),
         "distance": first["distance"],
+        "in_flight_at_destroy": first["in_flight_at_destroy"] + second["in_flight_at_destroy"],
     }
 
 
 @needs_hf
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("safe", [False, pytest.param(True, marks=needs_issue13)])
+@pytest.mark.parametrize("safe", [False, True])
 def test_accelerate_prepare_accumulate_save_and_load_state_per_rank(tmp_path, safe):
     # safe: Accelerate's default, model.safetensors; else pytorch_model.bin (torch.save)
     results = run_world(_accelerate_train_and_resume, 2, str(tmp_path), safe, timeout=300)
@@ -313,6 +313,7 @@ def test_accelerate_prepare_accumulate_save_and_load_state_per_rank(tmp_path, sa
         assert _same(r["resumed_params"], r["params"]), rank
         assert r["saved_is_consensus"], rank
         assert r["distance"] > 0
+        assert r["in_flight_at_destroy"] == [False, False], rank
     assert results[0]["losses"] != results[1]["losses"]
 
 
@@ -369,6 +370,7 @@ def _lightning_train_and_resume(rank, world_size, out):
 
     trainer, module = _lightning_fit(out, epochs=3)
     opt = common.unwrap(trainer.optimizers[0])
+    in_flight_after_fit = opt._rounds.in_flight  # Lightning may destroy the group at exit
     consensus = opt.consensus_state_dict(module)
     reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     reference.load_state_dict({k[len("net.") :]: v for k, v in consensus.items()})
@@ -380,6 +382,7 @@ def _lightning_train_and_resume(rank, world_size, out):
         "losses": module.losses,
         "params": _params(module),
         "ddp": isinstance(trainer.strategy.model, DistributedDataParallel),
+        "in_flight_after_fit": in_flight_after_fit,
         "distance": opt.consensus_distance(),
         "val_loss": trainer.callback_metrics["val_loss"].item(),
         "reference_val_loss": reference_val,
@@ -400,7 +403,7 @@ def _lightning_train_and_resume(rank, world_size, out):
 def test_lightning_strategy_trains_resumes_exactly_and_validates_the_consensus(tmp_path):
     results = run_world(_lightning_train_and_resume, 2, str(tmp_path), timeout=300)
     for rank, r in enumerate(results):
-        assert len(r["losses"]) == 24 and not r["ddp"], rank
+        assert len(r["losses"]) == 24 and not r["ddp"] and not r["in_flight_after_fit"], rank
         assert r["distance"] > 0
         assert r["resumed_losses"] == r["losses"][16:], rank
         assert _same(r["resumed_params"], r["params"]), rank

@@ -90,6 +90,17 @@ class DecentralizedAccelerator(Accelerator):
         save_models_and_optimizers(os.path.join(location, PREFIX), self._models, opts)
         return str(location)
 
+    def end_training(self) -> None:
+        """Finish every optimizer's round in flight, then Accelerate's ``end_training``.
+
+        Accelerate destroys the process group here; a gossip round still in flight (the last
+        step launched one) would then be torn down under the peers' transfers, which can hang
+        the exit. The parameters end fully mixed, as after ``synchronize()``.
+        """
+        for opt in decentralized(self._optimizers):
+            opt.synchronize()
+        super().end_training()
+
     def load_state(
         self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:

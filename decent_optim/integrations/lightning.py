@@ -56,6 +56,7 @@ class DecentralizedStrategy(DDPStrategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._evaluating = contextlib.ExitStack()
+        self._failed = False
 
     def configure_ddp(self) -> None:
         """Keep the LightningModule itself: the optimizer averages the parameters."""
@@ -106,7 +107,19 @@ class DecentralizedStrategy(DDPStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         self._evaluating.close()
+        self._failed = True  # a peer may be gone: teardown must not wait for it
         super().on_exception(exception)
+
+    def teardown(self) -> None:
+        """Finish the round in flight before Lightning lets go of the process group.
+
+        The last step launched a round; torn down under the peers' transfers (Lightning
+        destroys the group at exit) it can hang the exit. The parameters end fully mixed.
+        """
+        if not self._failed:
+            for opt in self._decentralized():
+                opt.synchronize()
+        super().teardown()
 
     # -- per-rank checkpoints ---------------------------------------------------------------------
     def save_checkpoint(
