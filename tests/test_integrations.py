@@ -338,6 +338,9 @@ def _lightning_fit(out, epochs, ckpt_path=None):
             self.losses.append(loss.item())
             return loss
 
+        def on_train_epoch_end(self):  # fit's teardown mixes the last round: 2 ranks then agree
+            self.distance = common.unwrap(self.trainer.optimizers[0]).consensus_distance()
+
         def validation_step(self, batch, index):
             x, y = batch
             self.log("val_loss", (self.net(x) - y).square().mean(), sync_dist=True)
@@ -383,7 +386,7 @@ def _lightning_train_and_resume(rank, world_size, out):
         "params": _params(module),
         "ddp": isinstance(trainer.strategy.model, DistributedDataParallel),
         "in_flight_after_fit": in_flight_after_fit,
-        "distance": opt.consensus_distance(),
+        "distance": module.distance,
         "val_loss": trainer.callback_metrics["val_loss"].item(),
         "reference_val_loss": reference_val,
         "saved_is_consensus": all(
