@@ -45,6 +45,9 @@ class _Wrapper:
     def __init__(self, inner, attribute):
         setattr(self, attribute, inner)
 
+    def step(self, closure=None):  # wrappers forward step(); how unwrap tells one from data
+        pass
+
 
 def test_unwrap_finds_the_optimizer_behind_framework_wrappers():
     opt = dopt.DSGD(nn.Linear(2, 1).parameters(), lr=0.1)

@@ -11,7 +11,7 @@ configured, no DDP), leaves a model that is already on the accelerator's device 
 ``accumulate()``, ``backward``, ``clip_grad_norm_``, ``gather`` -- is Accelerate's.
 
 Usage: construct ``DecentralizedAccelerator(...)`` where the script built ``Accelerator(...)``,
-and a decent_optim optimizer instead of the torch one; see ``docs/integrations.rst``.
+and a decent_optim optimizer instead of the torch one; see ``docs/with_accelerate.rst``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class DecentralizedAccelerator(Accelerator):
       its own model and optimizer state. ``load_state(dir)`` restores that file on every rank,
       so training continues exactly as if it had not stopped.
     * To evaluate or export the consensus model, use ``opt.averaged(model)``, through
-      ``decent_optim.integrations.common.unwrap(opt)`` on the prepared optimizer.
+      ``decent_optim.unwrap(opt)`` on the prepared optimizer.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from decent_optim import wrappers
 from decent_optim.optim.engine import DecentralizedOptimizer
 
 __all__ = [
@@ -40,21 +41,16 @@ Prefix = str | os.PathLike[str]  # a rank file's path up to ``rank{r}-of-{n}.pt`
 Modules = Sequence[torch.nn.Module]
 Optimizers = Sequence[DecentralizedOptimizer]
 
-#: attributes under which wrappers keep the optimizer they wrap: Accelerate's and Hugging
-#: Face's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, torch's PostLocalSGD
-_WRAPPED = ("optimizer", "_optimizer", "optim")
-
 
 def unwrap(optimizer: object) -> DecentralizedOptimizer | None:
-    """The decentralized optimizer inside ``optimizer`` and its wrappers, or None."""
-    for _ in range(8):  # wrappers nest a few levels at most
-        if isinstance(optimizer, DecentralizedOptimizer):
-            return optimizer
-        inner = [getattr(optimizer, name, None) for name in _WRAPPED]
-        optimizer = next((o for o in inner if o is not None and o is not optimizer), None)
-        if optimizer is None:
-            return None
-    return None
+    """The decentralized optimizer inside ``optimizer`` and its wrappers, or None.
+
+    :func:`decent_optim.unwrap`, with None for an optimizer that is not a decent_optim one.
+    """
+    try:
+        return wrappers.unwrap(optimizer)
+    except TypeError:
+        return None
 
 
 def decentralized(optimizers: Iterable[object]) -> list[DecentralizedOptimizer]:
