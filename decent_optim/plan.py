@@ -11,9 +11,10 @@ In well under a minute it measures, at the given model size:
   forward's share of it;
 * the local optimizer step (torch's fused AdamW on that many parameters);
 * one all-reduce of the whole model (what DDP moves per iteration, without its overlap);
-* one gossip round of each topology that fits the world size, round by round; with
-  ``--compression bf16 int8`` also the compressed rounds (``<topology>+<compression>``; only on
-  more than one node, where they apply).
+* one gossip round of each topology that fits the world size, round by round (a topology that
+  does not fit -- ``one-peer-exp`` needs a power-of-two number of workers -- is listed under the
+  table with the reason); with ``--compression bf16 int8`` also the compressed rounds
+  (``<topology>+<compression>``; only on more than one node, where they apply).
 
 Rank 0 then prints the :mod:`decent_optim.runtime` predictions: time per iteration for
 All-Reduce and each topology and the speedup over All-Reduce. Your model's compute time can be
@@ -29,11 +30,12 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
 
 import torch
 
 from decent_optim import runtime, topologies
+from decent_optim._plan_args import LAUNCH, parse
+from decent_optim._plan_args import parser as _parser  # noqa: F401  (tests read its options)
 from decent_optim.gossip import Gossiper
 from decent_optim.gossip.collectives import (
     all_reduce_,
@@ -186,7 +188,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         try:
             topo = topologies.get(name, n, local)
         except ValueError as err:  # this world size or node layout does not fit the topology
-            result["skipped"][name] = str(err)
+            result["skipped"][name] = str(err)  # printed under the table: why it is missing
             continue
         for c in [None, *(args.compression if n > local else [])]:
             if c is not None and topo.groups(0) is None:
@@ -235,85 +237,16 @@ def format_table(measured: dict, rows: list[tuple[runtime.Prediction, float]]) -
         )
     best, speedup = rows[0]
     lines += ["", f"recommended: {best.method} ({speedup:.2f}x the speed of all-reduce, predicted)"]
-    lines += [f"not measured: {name} ({why})" for name, why in m.get("skipped", {}).items()]
+    lines += [f"not measured: {name}: {why}" for name, why in m.get("skipped", {}).items()]
     return "\n".join(lines)
 
 
-def _number(kind: type, low: float, strict: bool) -> Any:
-    """An argparse type: a ``kind`` number ``> low`` (``strict``) or ``>= low``."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
-        if not (value > low if strict else value >= low):
-            raise argparse.ArgumentTypeError(
-                f"must be {'>' if strict else '>='} {low:g}, got {text}"
-            )
-        return value
-
-    return parse
-
-
-def _topology_name(text: str) -> str:
-    if text not in topologies.names():
-        valid = ", ".join(topologies.names())
-        raise argparse.ArgumentTypeError(f"unknown topology {text!r}; valid names are {valid}")
-    return text
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m decent_optim.plan", description=__doc__.splitlines()[0]
-    )
-    positive_int, positive = _number(int, 0, True), _number(float, 0, True)
-    at_least_0 = _number(float, 0, False)
-    for flag, kind, default, about in [
-        ("--params", positive, 10e6, "model size in parameters (default 10M)"),
-        ("--layers", positive_int, 4, "square layers of the synthetic workload"),
-        ("--batch", positive_int, 64, "rows per forward of the synthetic workload"),
-        ("--iters", positive_int, 10, "timed compute iterations per rank"),
-        ("--reps", positive_int, 3, "timed repetitions of each communication"),
-        ("--compute-ms", positive, None, "use this compute time instead"),
-        ("--compute-std-ms", at_least_0, 0.0, "its spread across ranks"),
-        ("--overlap", at_least_0, 1.0, "fraction of DDP's all-reduce that backward can hide"),
-    ]:
-        p.add_argument(flag, type=kind, default=default, help=about)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--topologies",
-        nargs="+",
-        type=_topology_name,
-        default=topologies.names(),
-        help=f"topologies to measure (default: all that fit: {', '.join(topologies.names())})",
-    )
-    p.add_argument(
-        "--compression",
-        nargs="*",
-        default=[],
-        choices=sorted(runtime.WIRE_BYTES),
-        help="also measure the topologies' rounds compressed this way (several nodes only)",
-    )
-    p.add_argument("--json", default=None, help="also write the measurements and predictions here")
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.overlap > 1:
-        parser.error(f"argument --overlap: must be in [0, 1], got {args.overlap:g}")
-    if args.params < args.layers:
-        parser.error(
-            f"argument --params: the workload needs at least one parameter per layer, got "
-            f"--params {args.params:g} for --layers {args.layers}"
-        )
+    args = parse(argv)
     if "RANK" not in os.environ:
         raise SystemExit(
-            "run me under torchrun, e.g. torchrun --nproc-per-node 2 -m decent_optim.plan"
+            "decent_optim.plan measures the job's communication, so it must run in every "
+            "process of the job. " + LAUNCH
         )
     device = init_from_environment()
     try:

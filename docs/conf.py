@@ -42,6 +42,9 @@ napoleon_use_rtype = False
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "show-inheritance": True}
+# The frameworks of decent_optim.integrations are optional extras: the docs build the same
+# whether they are installed or not.
+autodoc_mock_imports = ["transformers", "accelerate", "lightning"]
 
 # No intersphinx: CI builds offline. References to torch stay plain text (nitpicky is off).
 nitpicky = False

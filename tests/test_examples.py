@@ -8,6 +8,7 @@ the ``test`` extra includes.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -85,6 +86,33 @@ def test_example_two_ranks(script: str, args: list[str], summary: str, tmp_path:
     assert summary in proc.stdout
     if script == "quickstart.py":  # every rank prints its own result
         assert "rank 0:" in proc.stdout and "rank 1:" in proc.stdout
+
+
+# examples/integrations/: the scripts of the "Using decent_optim with ..." pages, on 2 ranks
+INTEGRATIONS = [
+    ("hf_trainer.py", "transformers", ["--steps", "4"], "eval loss of the consensus model"),
+    ("accelerate_loop.py", "accelerate", ["--epochs", "1"], "test error of the consensus model"),
+    ("lightning_fit.py", "lightning", ["--epochs", "1"], "val loss of the consensus model"),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "script,module,args,summary", INTEGRATIONS, ids=[c[0] for c in INTEGRATIONS]
+)
+def test_integration_example_two_ranks(
+    script: str, module: str, args: list[str], summary: str, tmp_path: Path
+) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"needs {module}: pip install decent-optim[hf,lightning]")
+    if script == "accelerate_loop.py":
+        import decent_optim
+
+        if not hasattr(decent_optim, "unwrap"):  # see needs_issue13 in test_integrations.py
+            pytest.skip("needs issue 13: Accelerate's save_state writes safetensors")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = _run([*torchrun, str(EXAMPLES / "integrations" / script), *args], cwd=tmp_path)
+    assert summary in proc.stdout
 
 
 def test_charlm_baseline_flag_runs_only_the_baseline(tmp_path: Path) -> None:

@@ -89,17 +89,6 @@ def test_bad_arguments_get_a_usage_error_not_a_traceback(argv, message, monkeypa
     assert message in capsys.readouterr().err
 
 
-def test_topologies_that_do_not_fit_are_named_in_the_table():
-    measured = {
-        "world_size": 3, "local_world_size": 1, "backend": "gloo", "params": 10, "bytes": 40,
-        "compute_mean_s": 0.1, "compute_std_s": 0.0, "backward_fraction": 0.5, "update_s": 0.0,
-        "allreduce_s": 0.3, "gossip": {"ring": {"round_s": [0.05, 0.05], "degrees": [1, 1]}},
-        "skipped": {"one-peer-exp": "one-peer-exp needs a power-of-two world size, got 3"},
-    }  # fmt: skip
-    table = plan.format_table(measured, plan.predict(measured, overlap=1.0))
-    assert "not measured: one-peer-exp (one-peer-exp needs a power-of-two world size" in table
-
-
 def test_predictions_include_compressed_rounds():
     measured = {
         "world_size": 4, "local_world_size": 2, "backend": "gloo", "params": 10, "bytes": 40,

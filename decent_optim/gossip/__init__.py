@@ -28,9 +28,11 @@ all-reduce took 0.55-0.62x the time of three point-to-point exchanges per rank (
 Module map: :mod:`~decent_optim.gossip.handle` (a round in flight, timeouts),
 :mod:`~decent_optim.gossip.exchange` (the strategy interface and the shared receive buffers),
 :mod:`~decent_optim.gossip.gossiper` (the choice per round), :mod:`~decent_optim.gossip.collectives`
-(start-up collectives and measurements).
+(start-up collectives and measurements), :mod:`~decent_optim.gossip.averager` (a torch
+``ModelAverager`` that gossips, for ``PostLocalSGDOptimizer``).
 """
 
+from decent_optim.gossip.averager import GossipAverager
 from decent_optim.gossip.collectives import (
     broadcast_,
     channel,
@@ -45,6 +47,7 @@ from decent_optim.gossip.handle import GossipError, GossipHandle, PendingMix
 
 __all__ = [
     "TRANSPORTS",
+    "GossipAverager",
     "GossipError",
     "GossipHandle",
     "Gossiper",

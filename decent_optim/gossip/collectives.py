@@ -25,6 +25,7 @@ __all__ = [
     "gather_ints",
     "gather_objects",
     "group_info",
+    "identical",
     "init_from_environment",
     "resolve_group",
     "shutdown",
@@ -138,6 +139,14 @@ def broadcast_(tensors: Sequence[Tensor], group: Any) -> None:
     src = dist.get_global_rank(group, 0)
     for t in tensors:
         dist.broadcast(t, src=src, group=group)
+
+
+def identical(values: Sequence[float], group: Any, device: torch.device) -> bool:
+    """Whether every rank of ``group`` passed bit-identical ``values`` (one small all-reduce)."""
+    mine = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64, device=device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+    n = len(values)
+    return bool(torch.equal(mine[:n], -mine[n:]))  # the largest value equals the smallest
 
 
 # -- for measurements (decent_optim.plan) ------------------------------------------------------

@@ -7,11 +7,13 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from decent_optim.gossip import codecs
 from decent_optim.gossip.allreduce import GroupAllReduce
+from decent_optim.gossip.collectives import identical
 from decent_optim.gossip.compressed import CompressedGroup
 from decent_optim.gossip.exchange import Exchange, Idle, Link
 from decent_optim.gossip.handle import DONE, GossipHandle
@@ -49,6 +51,10 @@ class LocalGossiper:
 
     def reset(self) -> None:
         """Nothing to forget."""
+
+    def identical(self, values: Sequence[float], device: torch.device) -> bool:
+        """No other rank to compare with."""
+        return False
 
 
 class Gossiper:
@@ -229,6 +235,10 @@ class Gossiper:
         GossipHandle([(w, None) for w in works], None, rank=self.rank, timeout=self.timeout).wait()
         for t in tensors:
             t.div_(self.world_size)
+
+    def identical(self, values: Sequence[float], device: torch.device) -> bool:
+        """Whether every rank passed bit-identical ``values``; a collective (one all-reduce)."""
+        return identical(values, self.group, device)
 
     def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
         """A receive buffer of bucket ``index`` that no round is using now (see :class:`Link`)."""

@@ -98,15 +98,24 @@ class GossipHandle:
                     work.wait(datetime.timedelta(seconds=left))
             except RuntimeError as err:
                 waiting = sorted({p for _, p in works[k:] if p is not None})
-                who = f"peer(s) {waiting}" if waiting else "its gossip group"
-                limit = (
-                    "" if self.timeout is None else f" (timeout {self.timeout.total_seconds():g} s)"
-                )
-                raise GossipError(
-                    f"[rank {self.rank}] gossip round {self.round}: waiting on {who} failed{limit}. "
-                    "A peer may have died, hung, or called step() fewer times than this rank; "
-                    f"every rank must call step() once per iteration. Cause: {err}"
-                ) from err
+                raise GossipError(self._explain(waiting, deadline, err)) from err
+
+    def _explain(self, waiting: list[int], deadline: float | None, err: Exception) -> str:
+        """What a failed wait knows, and what usually causes it (a rank busy alone included)."""
+        who = f"peer(s) {waiting}" if waiting else "its gossip group"
+        limit = "" if self.timeout is None else f" (timeout {self.timeout.total_seconds():g} s)"
+        if deadline is not None and time.monotonic() >= deadline:
+            what = f"{who} did not take part in it within the timeout{limit}"
+        else:
+            what = f"waiting on {who} failed{limit}"
+        return (
+            f"[rank {self.rank}] gossip round {self.round}: {what}. A peer may have died, called "
+            "step() fewer times than this rank (every rank must call step() once per iteration), "
+            "or be busy in work that only some ranks do, such as evaluation or checkpointing "
+            "under `if rank == 0:`. Evaluate on every rank inside opt.averaged(model), or call "
+            "opt.synchronize() and a barrier around rank-only work, or pass a longer timeout= "
+            f'(see "Rank-only work" in docs/training_loops). Cause: {err}'
+        )
 
     def mix_(self) -> None:
         """Overwrite the buffers with the weighted mix (once; after :meth:`wait`)."""

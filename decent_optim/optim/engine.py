@@ -25,7 +25,7 @@ from decent_optim._validation import (
 )
 from decent_optim.gossip.handle import NO_MIX
 from decent_optim.optim import checkpoint, consensus
-from decent_optim.optim.inputs import check_membership, gradients
+from decent_optim.optim.inputs import check_membership, gradients, warn_if_averaged
 from decent_optim.optim.options import ParamsT, with_defaults
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.startup import connect
@@ -62,11 +62,9 @@ class DecentralizedOptimizer(Optimizer):
     a pair's mean keeps them exactly; the floating-point mean of three or more equal values
     (``complete``, the groups of ``alternating-exp-ring``) can differ in the last bit.
 
-    The state lives in flat buffers per bucket; ``opt.state[p]`` holds views of them, and state
-    written through ``opt.state`` (by hand, or by ``load_state_dict``) is copied in before the
-    next update (:mod:`decent_optim.optim.state`). Checkpoints: see :meth:`state_dict`. Building
-    one is a collective that checks the ranks agree (:mod:`decent_optim.optim.startup`); several
-    may share a process group and be stepped in any order, but a parameter belongs to one.
+    ``opt.state[p]`` holds views of flat state buffers; what is written through it is copied in
+    before the next update (:mod:`decent_optim.optim.state`). Building one is a collective that
+    checks the ranks agree (:mod:`decent_optim.optim.startup`).
 
     Args:
         params: parameters or param groups, as for torch.optim.
@@ -165,6 +163,7 @@ class DecentralizedOptimizer(Optimizer):
         self._flat_state = FlatState(start.flat.buckets, self.rule)
         self.state = self._flat_state.wrap(self.state)
         self._group_params = [list(g["params"]) for g in self.param_groups]
+        self._checked_grads = False
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -197,6 +196,10 @@ class DecentralizedOptimizer(Optimizer):
             first=not self._rounds.count and not self.state,
         )
         self._stash = None  # training has begun from the broadcast values
+        if not self._checked_grads:  # once: were the gradients all-reduced (DDP) already?
+            self._checked_grads = warn_if_averaged(
+                grads, self._rounds.gossip, self._flat, type(self).__name__
+            )
         if self._flat_state.stale:
             self._flat_state.rebind(self.state, self.param_groups)
         mixes = self._rounds.take()

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from decent_optim.flat import FlatParams
+from decent_optim.gossip import Gossiper, LocalGossiper
 from decent_optim.optim.membership import Membership
 
-__all__ = ["check_membership", "gradients"]
+__all__ = ["ALREADY_AVERAGED", "check_membership", "gradients", "warn_if_averaged"]
 
 
 def check_membership(
@@ -36,6 +39,19 @@ def check_membership(
         "the peers. Pass every parameter to the constructor (a group with lr=0 can wait for its "
         "turn)"
     )
+
+
+#: the warning for gradients that were averaged before step() (a DDP wrapper, a comm hook)
+ALREADY_AVERAGED = (
+    "{name}: the gradients are identical on every rank, so something averaged them before "
+    "step(): the model is wrapped in DistributedDataParallel, or a hook all-reduces its "
+    "gradients. {name} averages the parameters itself, so the job pays for both and the gossip "
+    "mixes identical copies. Fix: drop the wrapper (`model = DDP(model)` -> `model`; with "
+    "Lightning use decent_optim.integrations.lightning.DecentralizedStrategy, with Hugging Face "
+    "DecentralizedTrainer or DecentralizedAccelerator from decent_optim.integrations). If "
+    "instead every rank reads the same batches, give each its own (DistributedSampler). See "
+    "docs/migrating_from_ddp."
+)
 
 
 def gradients(
@@ -70,3 +86,24 @@ def gradients(
             "loss.backward() first (every rank must then call step() once per iteration)"
         )
     return grads
+
+
+def warn_if_averaged(
+    grads: list[list[Tensor | None]], gossip: Gossiper | LocalGossiper, flat: FlatParams, name: str
+) -> bool:
+    """Warn when the gradients are bit-identical on every rank; a collective (one all-reduce).
+
+    Each rank computes its gradient on its own batches, so identical gradients mean they were
+    all-reduced before ``step()`` (or every rank read the same data). Checked once, at an
+    optimizer's first step (returns True: checked): the check reads every gradient once.
+    """
+    device = flat.buckets[0].device if flat.buckets else torch.device("cpu")
+    present = [g for bucket in grads for g in bucket if g is not None]
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for g in present:
+        total[0] += g.sum(dtype=torch.float64).to(device)
+        total[1] += torch.linalg.vector_norm(g, dtype=torch.float64).to(device)
+    values = [float(v) for v in total.tolist()]
+    if gossip.identical(values, device) and any(values):
+        warnings.warn(ALREADY_AVERAGED.format(name=name), stacklevel=2)
+    return True

@@ -1,0 +1,108 @@
+"""The command line of ``python -m decent_optim.plan``: its options, their checks, its help."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from decent_optim import runtime, topologies
+
+__all__ = ["LAUNCH", "parse", "parser"]
+
+#: how to launch it, for --help and for the error when it was not launched that way
+LAUNCH = (
+    "Run it under torchrun, with the node layout of the real job: on one machine\n"
+    "  torchrun --standalone --nproc-per-node 4 -m decent_optim.plan --params 65e6\n"
+    "and on several, the same command on every machine with --nnodes N and a rendezvous\n"
+    "endpoint (--rdzv-backend c10d --rdzv-endpoint HOST:PORT) instead of --standalone."
+)
+
+
+def _number(kind: type, low: float, strict: bool) -> Any:
+    """An argparse type: a ``kind`` number ``> low`` (``strict``) or ``>= low``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+        if not (value > low if strict else value >= low):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>' if strict else '>='} {low:g}, got {text}"
+            )
+        return value
+
+    return parse
+
+
+def _topology_name(text: str) -> str:
+    if text not in topologies.names():
+        valid = ", ".join(topologies.names())
+        raise argparse.ArgumentTypeError(f"unknown topology {text!r}; valid names are {valid}")
+    return text
+
+
+def parser() -> argparse.ArgumentParser:
+    """Every option, each with its help."""
+    p = argparse.ArgumentParser(
+        prog="python -m decent_optim.plan",
+        description="Measure this cluster and predict which method trains fastest.\nIt must run "
+        "under torchrun, in every process of the job (see the end of this help).",
+        epilog=LAUNCH
+        + "\n\nTopologies that do not fit the world size are left out, with the reason printed\n"
+        "under the table: one-peer-exp needs a power-of-two number of workers,\n"
+        "alternating-exp-ring a power-of-two number of nodes (at least 2).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    positive_int, positive = _number(int, 0, True), _number(float, 0, True)
+    at_least_0 = _number(float, 0, False)
+    for flag, kind, default, about in [
+        ("--params", positive, 10e6, "model size in parameters (default 10M)"),
+        ("--layers", positive_int, 4, "square layers of the synthetic workload (default 4)"),
+        ("--batch", positive_int, 64, "rows per forward of the synthetic workload (default 64)"),
+        ("--iters", positive_int, 10, "timed compute iterations per rank (default 10)"),
+        ("--reps", positive_int, 3, "timed repetitions of each communication (default 3)"),
+        ("--compute-ms", positive, None, "your model's forward+backward ms, instead of ours"),
+        ("--compute-std-ms", at_least_0, 0.0, "its standard deviation in ms (with --compute-ms)"),
+        ("--overlap", at_least_0, 1.0, "share of DDP's all-reduce backward hides, 0-1 (default 1)"),
+    ]:
+        p.add_argument(flag, type=kind, default=default, help=about)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the parameters and of what is exchanged (default float32)",
+    )
+    p.add_argument(
+        "--topologies",
+        nargs="+",
+        type=_topology_name,
+        default=topologies.names(),
+        help=f"topologies to measure (default: all that fit: {', '.join(topologies.names())})",
+    )
+    p.add_argument(
+        "--compression",
+        nargs="*",
+        default=[],
+        choices=sorted(runtime.WIRE_BYTES),
+        help="also measure the topologies' rounds compressed this way (several nodes only)",
+    )
+    p.add_argument("--json", default=None, help="also write the measurements and predictions here")
+    return p
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The options of ``argv``; a usage error (exit 2) naming the option for a bad value."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.overlap > 1:
+        p.error(f"argument --overlap: must be in [0, 1], got {args.overlap:g}")
+    if args.params < args.layers:
+        p.error(
+            f"argument --params: the workload needs at least one parameter per layer, got "
+            f"--params {args.params:g} for --layers {args.layers}"
+        )
+    return args

@@ -1,0 +1,153 @@
+"""Lightning with a decentralized optimizer: :class:`DecentralizedStrategy`.
+
+``strategy="ddp"`` with a decent_optim optimizer runs, but DDP all-reduces the gradients on top
+of the gossip (so the copies stay identical and the gossip averages nothing), and a checkpoint
+holds rank 0's model and optimizer state only, so a resume puts rank 0's values on every rank.
+This strategy launches exactly like ``"ddp"`` (same launchers, same process group, same
+distributed samplers) and changes only that:
+
+* the LightningModule is not wrapped in ``DistributedDataParallel``;
+* every checkpoint ``X.ckpt`` gets one ``X.ckpt.rank{r}-of-{n}.pt`` per rank with that rank's
+  model and optimizer states, which ``fit(ckpt_path=X.ckpt)`` restores on every rank; ``X.ckpt``
+  itself holds the consensus model (the mean over the ranks), so
+  ``Module.load_from_checkpoint(X.ckpt)`` gives the model to deploy;
+* validation, test and prediction during or after ``fit`` run on the consensus model
+  (``averaged()``), on every rank together.
+
+``configure_optimizers`` must return decent_optim optimizers (schedulers as usual).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+
+from decent_optim.integrations.common import (
+    consensus,
+    decentralized,
+    load_rank_file,
+    rank_path,
+    save_rank_file,
+)
+from decent_optim.optim.checkpoint import KEY
+from decent_optim.optim.engine import DecentralizedOptimizer
+
+__all__ = ["DecentralizedStrategy"]
+
+#: what a rank's own file holds: these entries of Lightning's checkpoint, with the rank's values
+_OWN = ("state_dict", "optimizer_states")
+
+
+class DecentralizedStrategy(DDPStrategy):
+    """``DDPStrategy`` without the DDP wrapper, with per-rank checkpoints and consensus evaluation.
+
+    Takes ``DDPStrategy``'s arguments (``process_group_backend``, ``timeout``,
+    ``start_method``, ...); those that configure the wrapper (``ddp_comm_hook``,
+    ``find_unused_parameters``, ...) have nothing to act on. Use it as
+    ``Trainer(strategy=DecentralizedStrategy(), devices=N)``.
+    """
+
+    strategy_name = "decentralized"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._evaluating = contextlib.ExitStack()
+        self._failed = False
+
+    def configure_ddp(self) -> None:
+        """Keep the LightningModule itself: the optimizer averages the parameters."""
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if self.world_size > 1 and not self._decentralized():
+            names = ", ".join(type(o).__name__ for o in self.optimizers) or "none"
+            raise TypeError(
+                "DecentralizedStrategy averages no gradients, so configure_optimizers must return "
+                f"a decent_optim optimizer (e.g. decent_optim.DecentralizedAdamW), got {names}"
+            )
+
+    def _decentralized(self) -> list[DecentralizedOptimizer]:
+        return decentralized(self.optimizers)
+
+    def _own_file(self, filepath: str | os.PathLike[str]) -> Path:
+        return rank_path(f"{os.fspath(filepath)}.", self.global_rank, self.world_size)
+
+    # -- evaluation on the consensus model --------------------------------------------------------
+    def _enter_consensus(self) -> None:
+        self._evaluating.close()
+        self._evaluating.enter_context(consensus(self._decentralized(), self.lightning_module))
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._enter_consensus()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._enter_consensus()
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._enter_consensus()
+
+    def on_validation_end(self) -> None:
+        self._evaluating.close()  # each rank's own values back, bit for bit
+        super().on_validation_end()
+
+    def on_test_end(self) -> None:
+        self._evaluating.close()
+        super().on_test_end()
+
+    def on_predict_end(self) -> None:
+        self._evaluating.close()
+        super().on_predict_end()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._evaluating.close()
+        self._failed = True  # a peer may be gone: teardown must not wait for it
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        """Finish the round in flight before Lightning lets go of the process group.
+
+        The last step launched a round; torn down under the peers' transfers (Lightning
+        destroys the group at exit) it can hang the exit. The parameters end fully mixed.
+        """
+        if not self._failed:
+            for opt in self._decentralized():
+                opt.synchronize()
+        super().teardown()
+
+    # -- per-rank checkpoints ---------------------------------------------------------------------
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Every rank writes its own file; rank 0 writes ``filepath`` with the consensus model."""
+        opts = self._decentralized()
+        if not opts:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        own = {key: checkpoint[key] for key in _OWN if key in checkpoint}
+        save_rank_file(self._own_file(filepath), own)
+        with consensus(opts, self.lightning_module):  # a collective: every rank saves together
+            # copies: an asynchronous CheckpointIO may write after the block restored the values
+            mean = {k: v.detach().clone() for k, v in self.lightning_module_state_dict().items()}
+        super().save_checkpoint({**checkpoint, "state_dict": mean}, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """Lightning's checkpoint, with this rank's own model and optimizer states in it."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        states = checkpoint.get("optimizer_states", [])
+        if self.world_size > 1 and any(KEY in s for s in states if isinstance(s, dict)):
+            checkpoint.update(load_rank_file(self._own_file(checkpoint_path)))
+        return checkpoint
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        opts = self._decentralized()
+        if opts:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._own_file(filepath))
+        super().remove_checkpoint(filepath)
