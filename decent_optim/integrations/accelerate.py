@@ -29,6 +29,7 @@ from decent_optim.integrations.common import (
     load_models_and_optimizers,
     on_device,
     save_models_and_optimizers,
+    unwrap,
 )
 
 __all__ = ["PREFIX", "DecentralizedAccelerator"]
@@ -111,8 +112,19 @@ class DecentralizedAccelerator(Accelerator):
             return
         resolved: list[str] = []  # the folder Accelerate picked (also with automatic naming)
         hook = self.register_load_state_pre_hook(lambda models, path: resolved.append(path))
+        # Accelerate's optimizer file is rank 0's, which the other ranks' optimizers refuse:
+        # they skip it here and load their own file below
+        ours = [w for w in self._optimizers if unwrap(w) is not None]
+        for wrapper in ours:
+            wrapper.load_state_dict = _skip
         try:
             super().load_state(input_dir, load_kwargs, **kwargs)
         finally:
             hook.remove()
+            for wrapper in ours:
+                del wrapper.load_state_dict
         load_models_and_optimizers(os.path.join(resolved[0], PREFIX), self._models, opts)
+
+
+def _skip(state_dict: dict[str, Any]) -> None:
+    """Stands in for an optimizer's ``load_state_dict`` while Accelerate loads rank 0's file."""
