@@ -10,6 +10,7 @@ Writes to the results folder:
   tuned rate), the gap at every evaluation step, the learning-rate sweeps, weak scaling,
   32 workers and the investigations (``knobs``);
 * ``recommended.csv``: per worker count, the decentralized setting closest to All-Reduce;
+* ``tables/*.csv``: each table of ``summary.md`` as CSV, for the docs;
 * ``val_loss_<task>.png`` (validation loss, gap to All-Reduce and consensus distance vs step)
   and ``lr_sweep_<task>.png``.
 """
@@ -145,7 +146,14 @@ def label(c: Config) -> str:
     return c.method.label + topo
 
 
-def md_table(header: list[str], rows: list[list[Any]]) -> list[str]:
+def md_table(header: list[str], rows: list[list[Any]], path: Path | None = None) -> list[str]:
+    """The table as markdown lines; also written to ``path`` as CSV (for the docs), if given."""
+    if path is not None:
+        path.parent.mkdir(exist_ok=True)
+        with path.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerows([str(v).replace("**", "") for v in r] for r in rows)
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(str(v) for v in r) + " |" for r in rows]
     return out + [""]
@@ -189,7 +197,7 @@ def _order(st: Study, c: Config) -> tuple:
     )
 
 
-def main_table(st: Study, task: str) -> list[str]:
+def main_table(st: Study, task: str, tables: Path) -> list[str]:
     counts = sorted(st.p.seeds[task])
     header = ["method"] + [f"{n} workers (local batch {st.p.global_batch // n})" for n in counts]
     rows = []
@@ -207,10 +215,30 @@ def main_table(st: Study, task: str) -> list[str]:
             cells.append(f"{fmt_loss(c)}{gap}, lr x{factor:g}, {len(c.seeds)} seeds")
         if name:
             rows.append([name] + cells)
-    return md_table(header, rows)
+    return md_table(header, rows, tables / f"main_{task}.csv")
 
 
-def gap_by_step(st: Study, task: str) -> list[str]:
+def gap_table(st: Study, task: str, tables: Path) -> list[str]:
+    """The main table reduced to the gaps at the last step (and the rate factor used)."""
+    counts = sorted(st.p.seeds[task])
+    header = ["method"] + [f"{n} workers" for n in counts]
+    rows = []
+    for method in st.p.methods[task][1:]:
+        cells, name = [], None
+        for n in counts:
+            c = st.tuned(task, n, method)
+            if c is None:
+                cells.append("")
+                continue
+            name = label(c)
+            factor = c.spec["lr"] / st.base[task]  # type: ignore[operator]
+            cells.append(f"{fmt_gap(st.gap(c), len(c.seeds))} (lr x{factor:g})")
+        if name:
+            rows.append([name] + cells)
+    return md_table(header, rows, tables / f"gaps_{task}.csv")
+
+
+def gap_by_step(st: Study, task: str, tables: Path) -> list[str]:
     out = []
     for n in sorted(st.p.seeds[task]):
         rows, steps = [], None
@@ -225,11 +253,12 @@ def gap_by_step(st: Study, task: str) -> list[str]:
             )
         if rows and steps:
             out += [f"**{n} workers**", ""]
-            out += md_table(["method", "seeds"] + [str(s) for s in steps], rows)
+            header = ["method", "seeds"] + [f"step {s}" for s in steps]
+            out += md_table(header, rows, tables / f"gap_by_step_{task}_{n}.csv")
     return out
 
 
-def sweep_table(st: Study, task: str) -> list[str]:
+def sweep_table(st: Study, task: str, tables: Path) -> list[str]:
     base = st.base[task]
     out = []
     ar = [
@@ -243,7 +272,8 @@ def sweep_table(st: Study, task: str) -> list[str]:
             f"**{c.final(0):.4f}**" if c is best else f"{c.final(0):.4f}"  # type: ignore[union-attr]
             for c in ar
         ]
-        out += md_table([f"lr {lr:g}" for lr in st.p.ar_lrs[task]], [cells])
+        header = [f"lr {lr:g}" for lr in st.p.ar_lrs[task]]
+        out += md_table(header, [cells], tables / f"lr_sweep_{task}_allreduce.csv")
     if base is None:
         return out
     out += [
@@ -264,11 +294,12 @@ def sweep_table(st: Study, task: str) -> list[str]:
             )
         if rows:
             out += [f"**{n} workers**", ""]
-            out += md_table(["method"] + [f"x{k:g}" for k in st.p.lr_factors], rows)
+            header = ["method"] + [f"x{k:g}" for k in study.factors(st.p, n)]
+            out += md_table(header, rows, tables / f"lr_sweep_{task}_{n}.csv")
     return out
 
 
-def part_table(st: Study, part: str) -> list[str]:
+def part_table(st: Study, part: str, tables: Path) -> list[str]:
     rows = []
     for c in sorted(st.configs.values(), key=lambda c: _order(st, c)):
         if st.part(c) != part:
@@ -287,7 +318,7 @@ def part_table(st: Study, part: str) -> list[str]:
         "workers", "global batch", "local batch", "method", "lr (x optimum)", "warm-up", "seeds",
         "val loss", "vs All-Reduce", "consensus distance",
     ]  # fmt: skip
-    return md_table(header, rows) if rows else []
+    return md_table(header, rows, tables / f"{part}.csv") if rows else []
 
 
 def recommended(st: Study) -> list[dict]:
@@ -299,7 +330,7 @@ def recommended(st: Study) -> list[dict]:
             for method in st.p.methods[task][1:]:
                 c = st.tuned(task, n, method)
                 g = None if c is None else st.gap(c)
-                if c is None or g is None or len(c.seeds) < len(st.p.seeds[task][n]):
+                if c is None or g is None or method not in st.p.seeded[task]:
                     continue
                 if best is None or g[0] < best[1][0]:
                     best = (c, g)
@@ -333,6 +364,7 @@ def write_all(
     protocol: study.Protocol, runs: dict[str, list[dict]], out: Path, plots: bool = True
 ) -> None:
     st = Study(protocol, runs)
+    tables = out / "tables"
     write_csv(summary_rows(st), out / "summary.csv")
     write_csv(recommended(st), out / "recommended.csv")
     lines = [
@@ -345,17 +377,19 @@ def write_all(
     ]
     for task in protocol.methods:
         lines += [f"## {task}: every method at its tuned learning rate", ""]
-        lines += main_table(st, task)
+        lines += main_table(st, task, tables)
+        lines += [f"### {task}: gap to All-Reduce at the last step, mean ± std over seeds", ""]
+        lines += gap_table(st, task, tables)
         lines += [f"### {task}: gap to All-Reduce at every evaluation step", ""]
-        lines += gap_by_step(st, task)
+        lines += gap_by_step(st, task, tables)
         lines += [f"### {task}: learning-rate sweeps", ""]
-        lines += sweep_table(st, task)
+        lines += sweep_table(st, task, tables)
     for part, title in (
         ("weak", "Weak scaling (charlm): local batch 8, linear learning-rate scaling"),
         ("big", "32 workers (charlm), local batch 1, at the factors tuned for 16 workers"),
         ("knobs", "Investigations (knobs)"),
     ):
-        table = part_table(st, part)
+        table = part_table(st, part, tables)
         if table:
             lines += [f"## {title}", ""] + table
     (out / "summary.md").write_text("\n".join(lines))
@@ -409,14 +443,14 @@ def plot_all(st: Study, out: Path) -> list[Path]:
             axes[0][col].set_yscale("log")
             axes[1][col].axhline(0, color="black", linewidth=0.8)
             axes[1][col].axhspan(-1, 1, color="0.9", zorder=0)
-            axes[1][col].set_ylim(-3, 12)
+            axes[1][col].set_yscale("symlog", linthresh=2)  # the early gaps are tens of percent
             axes[2][col].set_yscale("log")
             axes[2][col].set_xlabel("step")
             for ax in axes[:, col]:
                 ax.grid(alpha=0.3, which="both")
             axes[0][col].legend(fontsize=6)
         axes[0][0].set_ylabel("validation loss (consensus model)")
-        axes[1][0].set_ylabel("gap to All-Reduce, % (band: ±1%)")
+        axes[1][0].set_ylabel("gap to All-Reduce, % (symlog; band: ±1%)")
         axes[2][0].set_ylabel("consensus distance (RMS over workers)")
         fig.tight_layout()
         path = out / f"val_loss_{task}.png"
@@ -446,7 +480,9 @@ def plot_sweep(st: Study, task: str, out: Path, plt: Any) -> list[Path]:
         for method in st.p.methods[task][1:]:
             cs = [
                 (k, st.get(s))
-                for k, s in zip(st.p.lr_factors, study.sweep_specs(st.p, task, n, method, base))
+                for k, s in zip(
+                    study.factors(st.p, n), study.sweep_specs(st.p, task, n, method, base)
+                )
             ]
             cs = [(k, c) for k, c in cs if c is not None]
             if cs:
