@@ -35,7 +35,7 @@ class Config:
     def __init__(self, spec: dict, rows_by_seed: dict[int, list[dict]]):
         self.spec = spec
         self.runs = dict(sorted(rows_by_seed.items()))
-        self.method = study.parse_method(spec["method"], spec["workers"], spec["beta1"])
+        self.method = study.parse_method(spec["method"], spec["workers"])
 
     @property
     def seeds(self) -> list[int]:
