@@ -4,6 +4,7 @@
     python experiments/convergence/run.py --stages ar-lr sweep --workers 4 8   # a piece of it
     python experiments/convergence/run.py --dry-run          # the runs that can start now
     python experiments/convergence/run.py --report-only      # tables and plots from the CSV
+    python experiments/convergence/run.py --report-only --docs-images docs/images/convergence
 
 The study is planned in stages (``study.py``): later stages need earlier results (the All-Reduce
 optimum, each method's best rate). This script starts ``train.py`` under torchrun (gloo, one
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -68,6 +70,10 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="skip training")
     parser.add_argument("--dry-run", action="store_true", help="list the runs plannable now")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--docs-images", type=Path, metavar="DIR",
+        help="also copy the plots here (the docs page: docs/images/convergence)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     protocol = study.PROTOCOLS[args.protocol]
@@ -92,6 +98,11 @@ def main() -> None:
     if args.dry_run or not csv_path.exists():
         return
     report.write_all(protocol, study.read_runs(csv_path), args.out, plots=not args.no_plots)
+    if args.docs_images and not args.no_plots:
+        args.docs_images.mkdir(parents=True, exist_ok=True)
+        for png in sorted(args.out.glob("*.png")):
+            shutil.copyfile(png, args.docs_images / png.name)
+            print(f"copied {png.name} to {args.docs_images}")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,8 @@ class Protocol:
     # 32 workers, local batch 1 (charlm, seed 0), at the rate factors tuned at 16 workers
     big_workers: tuple[int, ...] = (32,)
     big_methods: tuple[str, ...] = ("allreduce", "adamw:aer", "accum98:aer")
+    # the targets: gap to All-Reduce (mean over seeds, %) per worker count (charlm)
+    targets: dict[int, float] = field(default_factory=lambda: {4: 1.0, 8: 1.0, 16: 2.0})
     # (task, workers, method, lr factor or None for the method's tuned one, seeds)
     # none so far: every recommended setting met its target (a knob is added where one misses)
     knobs: tuple[tuple[str, int, str, float | None, tuple[int, ...]], ...] = ()
