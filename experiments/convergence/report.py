@@ -294,7 +294,7 @@ def sweep_table(st: Study, task: str, tables: Path) -> list[str]:
             )
         if rows:
             out += [f"**{n} workers**", ""]
-            header = ["method"] + [f"x{k:g}" for k in study.factors(st.p, n)]
+            header = ["method"] + [f"x{k:g}" for k in study.factors(st.p, task, n)]
             out += md_table(header, rows, tables / f"lr_sweep_{task}_{n}.csv")
     return out
 
@@ -490,7 +490,7 @@ def plot_sweep(st: Study, task: str, out: Path, plt: Any) -> list[Path]:
             cs = [
                 (k, st.get(s))
                 for k, s in zip(
-                    study.factors(st.p, n), study.sweep_specs(st.p, task, n, method, base)
+                    study.factors(st.p, task, n), study.sweep_specs(st.p, task, n, method, base)
                 )
             ]
             cs = [(k, c) for k, c in cs if c is not None]

@@ -59,10 +59,15 @@ class Protocol:
     )
     ar_workers: int = 4  # where All-Reduce's rate is swept (the same maths at every count)
     lr_factors: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0)
-    # cut to fit a shared 2-core machine: at 8 workers without x0.5, which was 3-22% worse than
-    # x1 for every method at 4 and 16 workers, and never the best
-    lr_factors_at: dict[int, tuple[float, ...]] = field(
-        default_factory=lambda: {8: (1.0, 1.5, 2.0)}
+    # cut to fit a shared 2-core machine (by worker count, or by (task, worker count)): at 8
+    # workers only x1.5 and x2 (for DecentralizedAdamW and AccumAdamW on alternating-exp-ring
+    # x0.5 and x1 were never the best at 4 or 16 workers); digits only x1 and x2
+    lr_factors_at: dict[int | tuple[str, int], tuple[float, ...]] = field(
+        default_factory=lambda: {
+            ("charlm", 8): (1.5, 2.0),
+            ("digits", 4): (1.0, 2.0),
+            ("digits", 8): (1.0, 2.0),
+        }
     )
     # task -> worker count -> seeds; seed 0 is the sweep's, the others rerun the best rate
     seeds: dict[str, dict[int, tuple[int, ...]]] = field(
@@ -309,12 +314,13 @@ def ar_optimum(p: Protocol, task: str, done: dict[str, float]) -> float | None:
 def sweep_specs(p: Protocol, task: str, workers: int, method: str, base: float) -> list[dict]:
     if method == "allreduce":  # its sweep is stage 1; here only its optimum
         return [make_spec(p, task, workers, method, base, 0)]
-    return [make_spec(p, task, workers, method, k * base, 0) for k in factors(p, workers)]
+    return [make_spec(p, task, workers, method, k * base, 0) for k in factors(p, task, workers)]
 
 
-def factors(p: Protocol, workers: int) -> tuple[float, ...]:
-    """The learning-rate factors swept at ``workers`` workers."""
-    return p.lr_factors_at.get(workers, p.lr_factors)
+def factors(p: Protocol, task: str, workers: int) -> tuple[float, ...]:
+    """The learning-rate factors swept for ``task`` at ``workers`` workers."""
+    at = p.lr_factors_at
+    return at.get((task, workers), at.get(workers, p.lr_factors))
 
 
 def best_factor(
