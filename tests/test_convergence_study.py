@@ -1,4 +1,4 @@
-"""The convergence study (experiments/convergence) on its reduced protocol: 2 gloo ranks, 24
+"""The convergence study (experiments/convergence) on its reduced protocol: 2 gloo ranks, 16
 steps, both tasks, every stage that has runs at 2 workers (All-Reduce sweep, method sweep, more
 seeds at the best rate).
 
@@ -28,7 +28,7 @@ pytest.importorskip("matplotlib", reason="the study draws its plots with matplot
 
 REPO = Path(__file__).resolve().parent.parent
 STUDY = REPO / "experiments" / "convergence"
-EVALS = [12, 24]
+EVALS = [8, 16]
 
 
 def _free_port() -> int:
@@ -77,13 +77,13 @@ def test_every_output_is_written(study: Path) -> None:
             assert (study / f"{kind}_{task}.png").stat().st_size > 0, (kind, task)
     summary = _rows(study / "summary.csv")
     tuned = [r for r in summary if r["part"] == "tuned"]
-    # one tuned configuration per method: 5 for charlm, 3 for digits
+    # one tuned configuration per method: 5 for charlm, 2 for digits
     assert sorted((r["task"], r["method"]) for r in tuned) == sorted(
         [
             ("charlm", m)
             for m in ("allreduce", "adamw:ring", "adamw:aer", "adamw:ope", "accum98:ring")
         ]
-        + [("digits", m) for m in ("allreduce", "adamw:ring", "accum98:ring")]
+        + [("digits", m) for m in ("allreduce", "accum98:ring")]
     )
     for row in tuned:
         if row["method"] == "allreduce":
@@ -92,8 +92,8 @@ def test_every_output_is_written(study: Path) -> None:
 
 
 def test_every_run_has_every_evaluation_and_learns(runs: dict[str, list[dict]]) -> None:
-    # ar-lr: 2 + 1; sweep: 4 x 2 + 2 x 2 rates; seeds: one more seed for each charlm method
-    assert len(runs) == 3 + 12 + 5
+    # ar-lr: 2 + 1; sweep: 4 x 2 + 1 x 2 rates; seeds: one more seed for each charlm method
+    assert len(runs) == 3 + 10 + 5
     for key, rows in runs.items():
         assert [int(r["step"]) for r in rows] == EVALS, key
         first, last = (float(r["val_loss"]) for r in rows)
@@ -140,7 +140,7 @@ def test_resume_trains_only_what_is_missing_and_reproduces_it(study: Path, tmp_p
     # an interrupted study: the last run missing, the one before it cut off mid-way
     keys = list(dict.fromkeys(r["key"] for r in rows))
     lost, torn = keys[-1], keys[-2]
-    kept = [r for r in rows if r["key"] != lost and not (r["key"] == torn and r["step"] == "24")]
+    kept = [r for r in rows if r["key"] != lost and not (r["key"] == torn and r["step"] == "16")]
     with (tmp_path / "runs.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, list(rows[0]))
         writer.writeheader()

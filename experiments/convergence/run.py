@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", help="only these tasks")
     parser.add_argument(
         "--protocol", choices=list(study.PROTOCOLS), default="full",
-        help="smoke: the reduced study of the CI test (2 workers, 24 steps)",
+        help="smoke: the reduced study of the CI test (2 workers, 16 steps)",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--port", type=int, default=0, help="torchrun master port (0: any free)")

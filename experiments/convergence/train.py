@@ -75,7 +75,7 @@ class Task:
         return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
 
 
-def charlm_task() -> Task:
+def charlm_task(p: study.Protocol) -> Task:
     """The character GPT of examples/train_charlm.py on its grammar text.
 
     20,000 sentences (850k characters) rather than the example's 4,000, so that even the
@@ -87,7 +87,7 @@ def charlm_task() -> Task:
     split = int(0.9 * len(data))
     train, held_out = data[:split], data[split:]
     val_gen = torch.Generator().manual_seed(12345)
-    val = [train_charlm.get_batch(held_out, 32, val_gen) for _ in range(16)]
+    val = [train_charlm.get_batch(held_out, 32, val_gen) for _ in range(p.val_batches)]
     return Task(
         "charlm",
         lambda: train_charlm.CharGPT(len(chars)),
@@ -97,13 +97,13 @@ def charlm_task() -> Task:
     )
 
 
-def digits_task() -> Task:
+def digits_task(p: study.Protocol) -> Task:
     """The BatchNorm CNN of examples/digits_cnn.py on scikit-learn's 8x8 digits, made noisy.
 
     Clean, the held-out set saturates (All-Reduce: 99.7% accuracy, loss 0.005 at 1200 steps, so
     one image moves the loss by several percent). Every training image therefore gets a fresh
     random shift of up to one pixel and Gaussian pixel noise (sigma 0.2, pixels in [0, 1]); the
-    held-out set is 10 fixed noisy copies of each of the 360 held-out images.
+    held-out set is ``p.val_copies`` (10) fixed noisy copies of each of the 360 held-out images.
     """
     import digits_cnn  # here: it imports scikit-learn, slow to load and only needed here
     from sklearn.datasets import load_digits
@@ -127,7 +127,7 @@ def digits_task() -> Task:
         return corrupt(images[idx], gen), labels[idx]
 
     val_gen = torch.Generator().manual_seed(12345)
-    val = [(corrupt(images[test], val_gen), labels[test]) for _ in range(10)]
+    val = [(corrupt(images[test], val_gen), labels[test]) for _ in range(p.val_copies)]
     return Task("digits", digits_cnn.make_model, sample, val, weight_decay=0.1)
 
 
@@ -278,7 +278,9 @@ def main() -> None:
         spec = pick[0]
         if spec is None:
             break
-        task = tasks.get(spec["task"]) or tasks.setdefault(spec["task"], TASKS[spec["task"]]())
+        task = tasks.get(spec["task"]) or tasks.setdefault(
+            spec["task"], TASKS[spec["task"]](protocol)
+        )
         rows = run(task, spec, protocol.eval_every)
         if rank == 0:
             new = not path.exists()
