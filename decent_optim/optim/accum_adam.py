@@ -45,11 +45,12 @@ class AccumAdam(DecentralizedOptimizer):
     (``weight_decay * x`` joins the gradient). With ``accum_iter=1`` this is Adam, and with one
     worker and ``accum_iter=1`` exactly :class:`torch.optim.Adam`.
 
-    The bases decay by :math:`\beta_1, \beta_2` once per refresh, i.e. once every :math:`s`
-    steps, so with Adam's usual betas they remember :math:`s` times longer than Adam's moments.
-    Pass ``betas=(b1 ** s, b2 ** s)`` to keep Adam's memory per step: in the convergence study
-    (docs, "When to use AccumAdam") that turned AccumAdamW from worse than DecentralizedAdamW
-    into the closest to All-Reduce training at every worker count.
+    ``accum_iter`` grows with the number of workers sharing a fixed global batch: the number of
+    workers, up to 8 (1 is Adam, for large local batches). The bases decay once per refresh, so
+    they remember about ``accum_iter / (1 - beta1)`` steps: warm the learning rate up for at
+    least three times that, and raise ``beta2`` a little (``(0.9, 0.98)`` where AdamW would use
+    ``(0.9, 0.95)``) rather than raising the betas to the power ``accum_iter``. Docs: "Getting
+    All-Reduce quality".
 
     The state keys ``exp_avg`` and ``exp_avg_sq`` hold :math:`\bar m` and :math:`\bar v`;
     ``grad_acc`` holds the running mean gradient of the current window.
@@ -64,9 +65,8 @@ class AccumAdam(DecentralizedOptimizer):
             :class:`DecentralizedAdam`.
 
     Example:
-        >>> s = 4
-        >>> opt = AccumAdam(model.parameters(), lr=1e-3, betas=(0.9**s, 0.999**s), accum_iter=s,
-        ...                 topology="ring")  # doctest: +SKIP
+        >>> opt = AccumAdam(model.parameters(), lr=2e-3, betas=(0.9, 0.98),
+        ...                 accum_iter=min(world_size, 8), topology="ring")  # doctest: +SKIP
 
     References:
         Wang, Zhang, Wu, Johansson, "From Promise to Practice: Realizing High-performance

@@ -33,7 +33,10 @@ class DecentralizedAdam(DecentralizedOptimizer):
 
     The neighbours' :math:`x_j` travel while the next forward/backward runs. Weight decay is L2:
     ``weight_decay * x`` of the mixed :math:`x` joins the gradient. With one worker
-    :math:`W=[1]` and this is exactly :class:`torch.optim.Adam`.
+    :math:`W=[1]` and this is exactly :class:`torch.optim.Adam`. It wants a larger learning rate
+    than All-Reduce (1.5-2x in the docs' "Getting All-Reduce quality"); when many workers share
+    a fixed global batch and the local batch gets small, use :class:`AccumAdam` with
+    ``accum_iter`` = the number of workers, up to 8.
 
     Args:
         params: parameters or param groups, as for :class:`torch.optim.Adam`.

@@ -135,6 +135,8 @@ class Protocol:
         # every method's best rate at 16 workers was the sweep's edge (x2): is x3 better?
         ("charlm", 16, "adamw:aer", 3.0, (0,)),
         ("charlm", 16, "accum98:aer", 3.0, (0,)),
+        # 32 workers (local batch 1): does a longer accumulation window close AccumAdamW's gap?
+        ("charlm", 32, "accum98:aer:s16", 2.0, (0,)),
     )
 
 
