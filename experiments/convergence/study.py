@@ -135,6 +135,9 @@ class Protocol:
         # every method's best rate at 16 workers was the sweep's edge (x2): is x3 better?
         ("charlm", 16, "adamw:aer", 3.0, (0,)),
         ("charlm", 16, "accum98:aer", 3.0, (0,)),
+        # digits, 4 workers: x2 was worse than x1 for both decentralized methods; is x0.5 better?
+        ("digits", 4, "adamw:aer", 0.5, (0,)),
+        ("digits", 4, "accum98:aer", 0.5, (0,)),
         # 32 workers (local batch 1): does a longer accumulation window close AccumAdamW's gap?
         ("charlm", 32, "accum98:aer:s16", 2.0, (0,)),
     )
@@ -365,11 +368,9 @@ def plan(p: Protocol, stage: str, done: dict[str, float]) -> list[dict]:
                 if stage == "seeds" and factor is not None:
                     chosen = seeds if method in p.seeded[task] else seeds[:1]
                     out += [make_spec(p, task, workers, method, factor * base, s) for s in chosen]
-        if task != "charlm":
-            continue
-        if stage == "weak":
+        if stage == "weak" and task == "charlm":
             out += weak_specs(p, base, done)
-        if stage == "big":
+        if stage == "big" and task == "charlm":
             out += big_specs(p, base, done)
         if stage == "knobs":
             for k_task, workers, method, factor, seeds in p.knobs:
