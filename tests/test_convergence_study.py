@@ -44,7 +44,7 @@ def _run_study(out: Path) -> str:
         sys.executable, str(STUDY / "run.py"), "--protocol", "smoke", "--out", str(out),
         "--port", str(_free_port()),
     ]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
