@@ -166,6 +166,7 @@ SMOKE = Protocol(
     },
     weak_workers=(),
     big_workers=(),
+    knobs=(),
 )
 PROTOCOLS = {"full": FULL, "smoke": SMOKE}
 
