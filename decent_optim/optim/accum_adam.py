@@ -28,8 +28,13 @@ class AccumAdam(DecentralizedOptimizer):
     gradient of those steps: the moments see an effective batch :math:`s` times larger. Weight
     decay is L2 (``weight_decay * x`` joins the gradient), or decoupled as in AdamW with
     ``decoupled_weight_decay``. With ``accum_iter=1`` this is Adam, and with one worker exactly
-    :class:`torch.optim.Adam`. The bases decay once per refresh, so with Adam's betas they
-    remember :math:`s` times longer in steps (see the convergence study in the docs).
+    :class:`torch.optim.Adam`.
+
+    ``accum_iter`` grows with the number of workers sharing a fixed global batch: the number of
+    workers, up to 8 (1 is Adam, for large local batches). The bases remember about
+    ``accum_iter / (1 - beta1)`` steps: warm the learning rate up for at least three times that,
+    and raise ``beta2`` a little (``(0.9, 0.98)`` where AdamW would use ``(0.9, 0.95)``) rather
+    than raising the betas to the power ``accum_iter``. Docs: "Getting All-Reduce quality".
 
     The state keys ``exp_avg`` and ``exp_avg_sq`` hold :math:`\bar m` and :math:`\bar v`;
     ``grad_acc`` holds the running mean gradient of the current window. ``fused`` (see
@@ -43,7 +48,8 @@ class AccumAdam(DecentralizedOptimizer):
         options: see :class:`~decent_optim.DecentralizedOptimizer`.
 
     Example:
-        >>> opt = AccumAdam(model.parameters(), lr=1e-3, accum_iter=4, topology="ring")  # doctest: +SKIP
+        >>> opt = AccumAdam(model.parameters(), lr=2e-3, betas=(0.9, 0.98),
+        ...                 accum_iter=min(world_size, 8), topology="ring")  # doctest: +SKIP
 
     References:
         Wang, Zhang, Wu, Johansson, "From Promise to Practice: Realizing High-performance

@@ -31,6 +31,9 @@ class DecentralizedAdam(DecentralizedOptimizer):
     first scaled by :math:`1 - \eta\lambda` (AdamW). The neighbours' :math:`x_j` travel while the
     next forward and backward run. With one worker :math:`W=[1]` and this is exactly
     :class:`torch.optim.Adam`.
+    It wants a larger learning rate than All-Reduce (1.5-2x in the docs' "Getting All-Reduce
+    quality"); when many workers share a fixed global batch and the local batch gets small, use
+    :class:`AccumAdam` with ``accum_iter`` = the number of workers, up to 8.
 
     Args:
         params: parameters or param groups, as for :class:`torch.optim.Adam`.

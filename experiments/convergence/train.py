@@ -1,18 +1,23 @@
 """One worker of the convergence study; ``run.py`` starts it under torchrun (see README.md).
 
-For every task, seed and method it trains the task's model from the same initial weights on the
-same per-rank batches, at a fixed global batch and step budget, and appends the measurements of
-that run to ``--csv`` (rank 0 writes; one row per evaluation):
+It trains, one after the other, every run of the study (``study.py``) for this world size that
+can be planned from the finished runs in ``--csv`` and is not among them: the task's model from
+the seed's initial weights, on this rank's own batch stream, with the run's optimizer, learning
+rate and schedule. After every run rank 0 appends one CSV row per evaluation, so a run is either
+wholly in the file or not at all, and an interrupted study resumes where it stopped.
+
+Every method trains the same way, as the paper does: linear warm-up then cosine decay to 10%
+of the peak learning rate, gradient clipping at norm 1.0 (each worker clips its own gradient;
+DDP clips the all-reduced one), weight decay only on parameters with two or more dimensions.
+Methods:
 
 * ``allreduce``: DistributedDataParallel + torch.optim.AdamW, the reference;
-* ``adamw:<topology>``: decent_optim.DecentralizedAdamW;
-* ``accumadamw:<topology>``: decent_optim.AccumAdamW;
-* ``accumadamw^s:<topology>``: AccumAdamW with betas (b1**s, b2**s), s = ``--accum-iter``: moment
-  bases that forget per refresh what Adam's moments forget in s steps (an investigation).
+* ``adamw``: decent_optim.DecentralizedAdamW;
+* ``accumadamw``: decent_optim.AccumAdamW with the run's ``accum_iter`` and betas.
 
-Every optimizer gets the same hyper-parameters and the same warmup + cosine learning-rate
-schedule. Evaluation uses the consensus model (``opt.averaged(model)``: the mean of the workers'
-parameters and BatchNorm buffers); DDP's workers hold one model, so it is evaluated as it is.
+Evaluation uses the consensus model: ``opt.averaged(model)``, the mean of the workers'
+parameters and BatchNorm buffers, restored afterwards so that training goes on undisturbed. DDP's
+workers hold one model, which is evaluated as it is.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
+import study
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -36,14 +43,21 @@ from torch.nn.parallel import DistributedDataParallel
 import decent_optim as dopt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import digits_cnn  # noqa: E402  (the examples are scripts, not a package)
-import train_charlm  # noqa: E402
+import train_charlm  # noqa: E402  (the examples are scripts, not a package)
 
-FIELDS = [
-    "task", "workers", "global_batch", "local_batch", "method", "optimizer", "topology",
-    "accum_iter", "lr_scale", "seed", "step", "lr", "train_loss", "val_loss", "val_acc",
-    "consensus_distance", "elapsed_s",
+# what identifies a run (run.py builds these; one CSV column each), then what is measured
+SPEC_FIELDS = [
+    "task", "workers", "global_batch", "method", "optimizer", "topology", "beta1", "beta2",
+    "accum_iter", "global_avg_every", "lr", "warmup", "steps", "seed", "key",
 ]  # fmt: skip
+MEASURED = [
+    "local_batch", "step", "lr_now", "train_loss", "val_loss", "val_acc", "consensus_distance",
+    "elapsed_s",
+]  # fmt: skip
+FIELDS = SPEC_FIELDS + MEASURED
+CLIP_NORM = 1.0
+# a paused job (SIGSTOP while someone else benchmarks) must not trip gloo's timeouts
+PATIENCE = timedelta(minutes=30)
 
 
 @dataclass
@@ -54,8 +68,6 @@ class Task:
     make_model: Callable[[], nn.Module]
     sample: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     val: list[tuple[torch.Tensor, torch.Tensor]]  # fixed held-out batches, the same on every rank
-    lr: float
-    betas: tuple[float, float]
     weight_decay: float
 
     @staticmethod
@@ -63,28 +75,37 @@ class Task:
         return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
 
 
-def charlm_task() -> Task:
-    """The character GPT of examples/train_charlm.py on its built-in grammar text."""
-    text = train_charlm.make_corpus()
+def charlm_task(p: study.Protocol) -> Task:
+    """The character GPT of examples/train_charlm.py on its grammar text.
+
+    20,000 sentences (850k characters) rather than the example's 4,000, so that even the
+    weak-scaling runs (up to 128 sequences per step) see the training text only a few times.
+    """
+    text = train_charlm.make_corpus(n_sentences=20_000)
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
     split = int(0.9 * len(data))
     train, held_out = data[:split], data[split:]
     val_gen = torch.Generator().manual_seed(12345)
-    val = [train_charlm.get_batch(held_out, 32, val_gen) for _ in range(16)]
+    val = [train_charlm.get_batch(held_out, 32, val_gen) for _ in range(p.val_batches)]
     return Task(
         "charlm",
         lambda: train_charlm.CharGPT(len(chars)),
         lambda batch, gen: train_charlm.get_batch(train, batch, gen),
         val,
-        lr=1.2e-2,  # All-Reduce's best of 1.5e-3 ... 2.4e-2 at 300 steps (README.md)
-        betas=(0.9, 0.95),
         weight_decay=0.1,
     )
 
 
-def digits_task() -> Task:
-    """The BatchNorm CNN of examples/digits_cnn.py on scikit-learn's 8x8 digits."""
+def digits_task(p: study.Protocol) -> Task:
+    """The BatchNorm CNN of examples/digits_cnn.py on scikit-learn's 8x8 digits, made noisy.
+
+    Clean, the held-out set saturates (All-Reduce: 99.7% accuracy, loss 0.005 at 1200 steps, so
+    one image moves the loss by several percent). Every training image therefore gets a fresh
+    random shift of up to one pixel and Gaussian pixel noise (sigma 0.2, pixels in [0, 1]); the
+    held-out set is ``p.val_copies`` (10) fixed noisy copies of each of the 360 held-out images.
+    """
+    import digits_cnn  # here: it imports scikit-learn, slow to load and only needed here
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -93,20 +114,21 @@ def digits_task() -> Task:
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
     test, train = order[:360], order[360:]
 
+    def corrupt(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        n = len(x)
+        padded = F.pad(x[:, 0], (1, 1, 1, 1))  # (n, 10, 10)
+        rows = torch.randint(3, (n, 1), generator=gen) + torch.arange(8)
+        cols = torch.randint(3, (n, 1), generator=gen) + torch.arange(8)
+        shifted = padded[torch.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+        return (shifted + 0.2 * torch.randn(shifted.shape, generator=gen)).unsqueeze(1)
+
     def sample(batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         idx = train[torch.randint(len(train), (batch,), generator=gen)]
-        return images[idx], labels[idx]
+        return corrupt(images[idx], gen), labels[idx]
 
-    val = [(images[chunk], labels[chunk]) for chunk in test.split(40)]
-    return Task(
-        "digits",
-        digits_cnn.make_model,
-        sample,
-        val,
-        lr=1.2e-2,  # All-Reduce's best of 7.5e-4 ... 2.4e-2 at 300 steps (README.md)
-        betas=(0.9, 0.999),
-        weight_decay=0.01,
-    )
+    val_gen = torch.Generator().manual_seed(12345)
+    val = [(corrupt(images[test], val_gen), labels[test]) for _ in range(p.val_copies)]
+    return Task("digits", digits_cnn.make_model, sample, val, weight_decay=0.1)
 
 
 TASKS = {"charlm": charlm_task, "digits": digits_task}
@@ -144,9 +166,9 @@ def rms_consensus_distance(opt: torch.optim.Optimizer) -> float:
 
 
 def warmup_cosine(steps: int, warmup: int) -> Callable[[int], float]:
-    """Linear warmup to the base lr, then cosine decay to 10% of it at ``steps``."""
+    """Linear warm-up to the peak over ``warmup`` steps, then cosine decay to 10% at ``steps``."""
 
-    def factor(step: int) -> float:
+    def factor(step: int) -> float:  # step = completed steps, 0 for the first
         if step < warmup:
             return (step + 1) / warmup
         progress = min((step - warmup) / max(steps - warmup, 1), 1.0)
@@ -155,61 +177,59 @@ def warmup_cosine(steps: int, warmup: int) -> Callable[[int], float]:
     return factor
 
 
-def build(
-    task: Task, method: str, lr_scale: float, args: argparse.Namespace
-) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
-    """(model to train, module to call forward on, optimizer) for ``method``."""
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay the matrices (and embeddings); leave biases, LayerNorm and BatchNorm alone."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def build(task: Task, spec: dict) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+    """(model to train, module to call forward on, optimizer) for the run ``spec``."""
     model = task.make_model()
-    kw = dict(lr=task.lr * lr_scale, betas=task.betas, weight_decay=task.weight_decay)
-    if method == "allreduce":
-        return model, DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), **kw)
-    name, _, topology = method.partition(":")
-    if name == "adamw":
-        opt = dopt.DecentralizedAdamW(model.parameters(), topology=topology, **kw)
-    elif name in ("accumadamw", "accumadamw^s"):
-        s = args.accum_iter
-        if name == "accumadamw^s":
-            kw["betas"] = (task.betas[0] ** s, task.betas[1] ** s)
-        opt = dopt.AccumAdamW(model.parameters(), topology=topology, accum_iter=s, **kw)
+    groups = param_groups(model, task.weight_decay)
+    kw = dict(lr=spec["lr"], betas=(spec["beta1"], spec["beta2"]))
+    if spec["optimizer"] == "allreduce":
+        return model, DistributedDataParallel(model), torch.optim.AdamW(groups, **kw)
+    # the paper's alternating-exp-ring is node-aware; 2 workers per "node" as in its set-up
+    # (with 2 workers in all, 2 nodes of 1)
+    local = 2 if spec["workers"] >= 4 else 1
+    common = dict(
+        topology=spec["topology"], local_world_size=local, timeout=PATIENCE,
+        global_avg_every=spec["global_avg_every"] or None,
+    )  # fmt: skip
+    if spec["optimizer"] == "adamw":
+        opt: torch.optim.Optimizer = dopt.DecentralizedAdamW(groups, **kw, **common)
+    elif spec["optimizer"] == "accumadamw":
+        opt = dopt.AccumAdamW(groups, accum_iter=spec["accum_iter"], **kw, **common)
     else:
-        raise SystemExit(
-            f"unknown method {method!r}: use allreduce, adamw:<topology> or accumadamw:<topology>"
-        )
+        raise SystemExit(f"unknown optimizer {spec['optimizer']!r}")
     return model, model, opt
 
 
-def run(
-    task: Task, method: str, seed: int, lr_scale: float, args: argparse.Namespace
-) -> list[dict]:
+def run(task: Task, spec: dict, eval_every: int) -> list[dict]:
     """One training run; returns its rows (on every rank; rank 0 writes them)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_batch = args.global_batch // world
-    torch.manual_seed(seed)  # the same initial model for every method (and every rank)
-    model, forward, opt = build(task, method, lr_scale, args)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, warmup_cosine(args.steps, max(1, args.steps // 20))
-    )
-    gen = torch.Generator().manual_seed(1000 * seed + rank)  # this rank's own batch stream
-    name, _, topology = method.partition(":")
-    base = dict(
-        task=task.name, workers=world, global_batch=args.global_batch, local_batch=local_batch,
-        method=method, accum_iter=args.accum_iter if name.startswith("accum") else "",
-        lr_scale=lr_scale,
-        optimizer={"allreduce": "AdamW (DDP)", "adamw": "DecentralizedAdamW",
-                   "accumadamw": "AccumAdamW", "accumadamw^s": "AccumAdamW, betas^s"}[name],
-        topology=topology or "all-reduce", seed=seed,
-    )  # fmt: skip
+    local_batch = spec["global_batch"] // world
+    torch.manual_seed(spec["seed"])  # the same initial model for every method (and every rank)
+    model, forward, opt = build(task, spec)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(spec["steps"], spec["warmup"]))
+    gen = torch.Generator().manual_seed(1000 * spec["seed"] + rank)  # this rank's batch stream
+    params = list(model.parameters())
     rows, window = [], []
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(1, spec["steps"] + 1):
         x, y = task.sample(local_batch, gen)
         loss = task.loss(forward(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP_NORM)
         opt.step()
         sched.step()
         window.append(loss.item())
-        if step % args.eval_every == 0 or step == args.steps:
+        if step % eval_every == 0 or step == spec["steps"]:
             (train_loss,) = sum_over_ranks([sum(window) / len(window)])
             window = []
             distance = rms_consensus_distance(opt)
@@ -219,63 +239,63 @@ def run(
             else:
                 val_loss, val_acc = evaluate(model, task)
             rows.append(
-                dict(
-                    base,
-                    step=step,
-                    lr=opt.param_groups[0]["lr"],
-                    train_loss=train_loss / world,
-                    val_loss=val_loss,
-                    val_acc=val_acc,
-                    consensus_distance=distance,
-                    elapsed_s=time.perf_counter() - start,
-                )  # fmt: skip
-            )
+                {
+                    **{k: spec[k] for k in SPEC_FIELDS}, "local_batch": local_batch,
+                    "step": step, "lr_now": opt.param_groups[0]["lr"],
+                    "train_loss": train_loss / world, "val_loss": val_loss, "val_acc": val_acc,
+                    "consensus_distance": distance, "elapsed_s": time.perf_counter() - start,
+                }
+            )  # fmt: skip
     if isinstance(opt, dopt.DecentralizedOptimizer):
-        opt.synchronize()
+        opt.synchronize()  # nothing may stay in flight when the next run builds its optimizer
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    parser.add_argument("--methods", nargs="+", required=True)
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--accum-iter", type=int, default=4)
-    parser.add_argument(
-        "--lr-scales", nargs="+", type=float, default=[1.0], help="multiples of the task's lr"
-    )
-    parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--csv", required=True, help="file the rows are appended to (rank 0)")
+    parser.add_argument("--protocol", choices=list(study.PROTOCOLS), default="full")
+    parser.add_argument("--stages", nargs="+", default=study.STAGES, choices=study.STAGES)
+    parser.add_argument("--tasks", nargs="+", help="only these tasks")
+    parser.add_argument("--csv", required=True, help="the study's runs; rank 0 appends to it")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # many workers share a small CPU
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=PATIENCE)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.global_batch % world:
-        raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {world} workers")
-    path = Path(args.csv)
-    if rank == 0 and not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", newline="") as f:
-            csv.DictWriter(f, FIELDS).writeheader()
-    for task_name in args.tasks:
-        task = TASKS[task_name]()
-        for seed in args.seeds:
-            for lr_scale, method in [(k, m) for k in args.lr_scales for m in args.methods]:
-                rows = run(task, method, seed, lr_scale, args)
-                if rank == 0:
-                    with path.open("a", newline="") as f:  # after every run: progress survives
-                        csv.DictWriter(f, FIELDS).writerows(rows)
-                    last = rows[-1]
-                    print(
-                        f"[{world} workers] {task_name} seed {seed} {method:24s} lr x{lr_scale:g} "
-                        f"val loss {last['val_loss']:.4f} acc {last['val_acc']:.3f} "
-                        f"consensus dist {last['consensus_distance']:.3g} "
-                        f"({last['elapsed_s']:.0f} s)",
-                        flush=True,
-                    )
+    protocol, path = study.PROTOCOLS[args.protocol], Path(args.csv)
+    tasks: dict[str, Task] = {}
+    while True:
+        # rank 0 picks the next run from what is finished, so that a stage whose plan depends
+        # on an earlier stage's results (a tuned rate) can run in the same job
+        pick: list[dict | None] = [None]
+        if rank == 0:
+            done = study.final_losses(study.read_runs(path))
+            left = study.todo(protocol, args.stages, done, [world], args.tasks)
+            pick = [left[0] if left else None]
+            if left:
+                print(f"[{world} workers] {len(left)} runs plannable now, next: {left[0]['key']}")
+        dist.broadcast_object_list(pick, src=0)
+        spec = pick[0]
+        if spec is None:
+            break
+        task = tasks.get(spec["task"]) or tasks.setdefault(
+            spec["task"], TASKS[spec["task"]](protocol)
+        )
+        rows = run(task, spec, protocol.eval_every)
+        if rank == 0:
+            new = not path.exists()
+            with path.open("a", newline="") as f:  # one write per run: a run is whole or absent
+                writer = csv.DictWriter(f, FIELDS)
+                if new:
+                    writer.writeheader()
+                writer.writerows(rows)
+            last = rows[-1]
+            print(
+                f"[{world} workers] {spec['key']}: val loss {last['val_loss']:.4f} "
+                f"acc {last['val_acc']:.3f} consensus dist {last['consensus_distance']:.3g} "
+                f"({last['elapsed_s']:.0f} s)",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 
