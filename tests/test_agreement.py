@@ -87,6 +87,7 @@ def _build(rank, world_size, case):
             "bucket-cap": dict(bucket_cap_mb=25 if rank == 0 else 1e-5),
             "topology": dict(topology="complete" if rank == 1 else "ring"),
             "global-avg": dict(global_avg_every=None if rank == 0 else 5),
+            "compression": dict(compression=None if rank == 0 else "int8"),
             "local-world": dict(topology="alternating-exp-ring", local_world_size=1 + rank % 2),
             "bad-local-world": dict(local_world_size=2 if rank == 2 else 1),
             "bad-lr": dict(lr=-1.0 if rank == 1 else 0.1),
@@ -140,6 +141,7 @@ def test_bucket_layout_that_differs_is_caught(case, fragments):
     [
         ("topology", 3, ["topology: ranks 0, 2: RingTopology", "rank 1: CompleteTopology"]),
         ("global-avg", 2, ["global_avg_every: rank 0: None; rank 1: 5"]),
+        ("compression", 2, ["compression: rank 0: None; rank 1: 'int8'"]),
         ("local-world", 4, ["local_world_size: ranks 0, 2: 1; ranks 1, 3: 2"]),
     ],
 )
