@@ -7,7 +7,7 @@ measurements of :mod:`decent_optim.plan` reach :mod:`torch.distributed` only thr
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -141,12 +141,18 @@ def broadcast_(tensors: Sequence[Tensor], group: Any) -> None:
         dist.broadcast(t, src=src, group=group)
 
 
-def identical(values: Sequence[float], group: Any, device: torch.device) -> bool:
-    """Whether every rank of ``group`` passed bit-identical ``values`` (one small all-reduce)."""
-    mine = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64, device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-    n = len(values)
-    return bool(torch.equal(mine[:n], -mine[n:]))  # the largest value equals the smallest
+def identical(values: Tensor, group: Any) -> Callable[[], bool]:
+    """Whether every rank of ``group`` passed bit-identical ``values`` (a 1-D float64 tensor on
+    the group's device): one small all-reduce, launched now; the returned function waits for it."""
+    both = torch.cat([values, -values])
+    work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    n = values.numel()
+
+    def answer() -> bool:
+        work.wait()
+        return bool(torch.equal(both[:n], -both[n:]) and both[:n].any())  # largest == smallest
+
+    return answer
 
 
 # -- for measurements (decent_optim.plan) ------------------------------------------------------

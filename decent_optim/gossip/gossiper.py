@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import datetime
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -52,9 +51,9 @@ class LocalGossiper:
     def reset(self) -> None:
         """Nothing to forget."""
 
-    def identical(self, values: Sequence[float], device: torch.device) -> bool:
+    def identical(self, values: Tensor) -> Callable[[], bool]:
         """No other rank to compare with."""
-        return False
+        return lambda: False
 
 
 class Gossiper:
@@ -236,9 +235,10 @@ class Gossiper:
         for t in tensors:
             t.div_(self.world_size)
 
-    def identical(self, values: Sequence[float], device: torch.device) -> bool:
-        """Whether every rank passed bit-identical ``values``; a collective (one all-reduce)."""
-        return identical(values, self.group, device)
+    def identical(self, values: Tensor) -> Callable[[], bool]:
+        """Whether every rank passed bit-identical, nonzero ``values``: a collective launched
+        now (one small all-reduce); the returned function waits for the answer."""
+        return identical(values, self.group)
 
     def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
         """A receive buffer of bucket ``index`` that no round is using now (see :class:`Link`)."""

@@ -25,7 +25,7 @@ from decent_optim._validation import (
 )
 from decent_optim.gossip.handle import NO_MIX
 from decent_optim.optim import checkpoint, consensus
-from decent_optim.optim.inputs import check_membership, gradients, warn_if_averaged
+from decent_optim.optim.inputs import AveragedCheck, check_membership, gradients
 from decent_optim.optim.options import ParamsT, with_defaults
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.startup import connect
@@ -163,7 +163,7 @@ class DecentralizedOptimizer(Optimizer):
         self._flat_state = FlatState(start.flat.buckets, self.rule)
         self.state = self._flat_state.wrap(self.state)
         self._group_params = [list(g["params"]) for g in self.param_groups]
-        self._checked_grads = False
+        self._averaged = AveragedCheck()
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -196,10 +196,8 @@ class DecentralizedOptimizer(Optimizer):
             first=not self._rounds.count and not self.state,
         )
         self._stash = None  # training has begun from the broadcast values
-        if not self._checked_grads:  # once: were the gradients all-reduced (DDP) already?
-            self._checked_grads = warn_if_averaged(
-                grads, self._rounds.gossip, self._flat, type(self).__name__
-            )
+        if not self._averaged.done:  # were the gradients all-reduced (DDP) already?
+            self._averaged.step(grads, self._rounds.gossip, self._flat, type(self).__name__)
         if self._flat_state.stale:
             self._flat_state.rebind(self.state, self.param_groups)
         mixes = self._rounds.take()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, LocalGossiper
 from decent_optim.optim.membership import Membership
 
-__all__ = ["ALREADY_AVERAGED", "check_membership", "gradients", "warn_if_averaged"]
+__all__ = ["ALREADY_AVERAGED", "AveragedCheck", "check_membership", "gradients"]
 
 
 def check_membership(
@@ -88,22 +89,35 @@ def gradients(
     return grads
 
 
-def warn_if_averaged(
-    grads: list[list[Tensor | None]], gossip: Gossiper | LocalGossiper, flat: FlatParams, name: str
-) -> bool:
-    """Warn when the gradients are bit-identical on every rank; a collective (one all-reduce).
+class AveragedCheck:
+    """Whether the gradients are bit-identical on every rank: asked at the first step, answered
+    (with a warning when they are) at the second.
 
     Each rank computes its gradient on its own batches, so identical gradients mean they were
-    all-reduced before ``step()`` (or every rank read the same data). Checked once, at an
-    optimizer's first step (returns True: checked): the check reads every gradient once.
+    all-reduced before ``step()`` (or every rank read the same data). The question is one
+    all-reduce in the background: waiting for it inside the step would deadlock optimizers that
+    the ranks step in different orders.
     """
-    device = flat.buckets[0].device if flat.buckets else torch.device("cpu")
-    present = [g for bucket in grads for g in bucket if g is not None]
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for g in present:
-        total[0] += g.sum(dtype=torch.float64).to(device)
-        total[1] += torch.linalg.vector_norm(g, dtype=torch.float64).to(device)
-    values = [float(v) for v in total.tolist()]
-    if gossip.identical(values, device) and any(values):
-        warnings.warn(ALREADY_AVERAGED.format(name=name), stacklevel=2)
-    return True
+
+    def __init__(self) -> None:
+        self.done = False
+        self._answer: Callable[[], bool] | None = None
+
+    def step(
+        self,
+        grads: list[list[Tensor | None]],
+        gossip: Gossiper | LocalGossiper,
+        flat: FlatParams,
+        name: str,
+    ) -> None:
+        if self._answer is not None:
+            if self._answer():
+                warnings.warn(ALREADY_AVERAGED.format(name=name), stacklevel=3)
+            self.done, self._answer = True, None
+            return
+        device = flat.buckets[0].device if flat.buckets else torch.device("cpu")
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        for g in (g for bucket in grads for g in bucket if g is not None):
+            total[0] += g.sum(dtype=torch.float64).to(device)
+            total[1] += torch.linalg.vector_norm(g, dtype=torch.float64).to(device)
+        self._answer = gossip.identical(total)
