@@ -221,7 +221,7 @@ def parse_method(name: str, workers: int, beta1: float = 0.9) -> Method:
     topology = TOPOLOGIES[parts[0]] if parts else "all-reduce"
     compression = "".join(p for p in parts[1:] if p in COMPRESSIONS)
     numbered = [p for p in parts[1:] if p not in COMPRESSIONS]
-    options = dict(re.fullmatch(r"([a-z]+)(\d+)", p).groups() for p in numbered)  # type: ignore[union-attr]
+    options = dict(re.fullmatch(r"([a-z]+)(\d+)", p).groups() for p in numbered)  # type: ignore[union-attr,misc]
     s = int(options.get("s", min(workers, 8)))
     gavg = int(options.get("gavg", 0))
     if family == "allreduce":
