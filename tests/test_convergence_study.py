@@ -1,12 +1,13 @@
 """The convergence study (experiments/convergence) on its reduced protocol: 2 gloo ranks, 16
 steps, both tasks, every stage that has runs at 2 workers (All-Reduce sweep, method sweep, more
-seeds at the best rate).
+seeds at the best rate, compressed gossip).
 
 Checked: it runs from its one command and writes every output; every planned run has every
 evaluation and learns; the best rate of the sweep is the one rerun with more seeds; an
 interrupted study resumes by training only the missing runs, and reproduces their values bit for
 bit; All-Reduce keeps one model (consensus distance 0) and gossip does not; with 2 workers the
-ring and one-peer-exp pair the same two workers every round and must train identical models.
+ring and one-peer-exp pair the same two workers every round and must train identical models; the
+compressed run borrows the exact run's tuned rate, really compresses, and is paired with it.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def test_every_output_is_written(study: Path) -> None:
 
 
 def test_every_run_has_every_evaluation_and_learns(runs: dict[str, list[dict]]) -> None:
-    # ar-lr: 2 + 1; sweep: 4 x 2 + 1 x 2 rates; seeds: one more seed for each charlm method
-    assert len(runs) == 3 + 10 + 5
+    # ar-lr: 2 + 1; sweep: 4 x 2 + 1 x 2 rates; seeds: one more seed for each charlm method;
+    # compressed: int8 at 1 seed
+    assert len(runs) == 3 + 10 + 5 + 1
     for key, rows in runs.items():
         assert [int(r["step"]) for r in rows] == EVALS, key
         first, last = (float(r["val_loss"]) for r in rows)
@@ -133,6 +135,22 @@ def test_ring_and_one_peer_exp_agree_with_two_workers(runs: dict[str, list[dict]
                 assert float(a["val_loss"]) == pytest.approx(float(b["val_loss"]), rel=1e-5)
             pairs += 1
     assert pairs == 2 + 1  # two rates at seed 0, the best rate at seed 1
+
+
+def test_compressed_run_is_paired_with_the_exact_one(
+    study: Path, runs: dict[str, list[dict]]
+) -> None:
+    (key,) = [k for k in runs if "/adamw:aer:int8/" in k]
+    exact = {k: v for k, v in runs.items() if "/adamw:aer/" in k and k.endswith("/seed1")}
+    (tuned,) = exact.values()  # the seeds stage reruns only the tuned rate
+    assert runs[key][0]["lr"] == tuned[0]["lr"]
+    paired = runs[key.replace("/adamw:aer:int8/", "/adamw:aer/")]
+    a, b = float(runs[key][-1]["val_loss"]), float(paired[-1]["val_loss"])
+    assert a != b  # the int8 rounding changes the run: compression= reached the optimizer
+    assert abs(a / b - 1) < 0.05, (a, b)
+    (row,) = _rows(study / "tables" / "compressed.csv")
+    assert row["seeds"] == "0" and row["vs exact"] == f"{100 * (a / b - 1):+.2f}%", row
+    assert "Compressed vs exact gossip" in (study / "summary.md").read_text()
 
 
 def test_resume_trains_only_what_is_missing_and_reproduces_it(study: Path, tmp_path: Path) -> None:

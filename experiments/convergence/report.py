@@ -8,7 +8,7 @@ Writes to the results folder:
   the study it belongs to;
 * ``summary.md``: the same, as the tables of the docs: the main table (every method at its
   tuned rate), the gap at every evaluation step, the learning-rate sweeps, weak scaling,
-  32 workers and the investigations (``knobs``);
+  32 workers, the investigations (``knobs``) and compressed vs exact gossip (``compressed``);
 * ``recommended.csv``: per worker count, the decentralized setting closest to All-Reduce;
 * ``tables/*.csv``: each table of ``summary.md`` as CSV, for the docs;
 * ``val_loss_<task>.png`` (validation loss, gap to All-Reduce and consensus distance vs step)
@@ -110,6 +110,14 @@ class Study:
             values = [100 * (c.at(s, step) / ref.at(s, step) - 1) for s in seeds]
         return study.mean_std(values)
 
+    def exact(self, c: Config) -> Config | None:
+        """The same run with exact (uncompressed) gossip."""
+        s = c.spec
+        name = study.uncompressed(s["method"])
+        return self.get(
+            study.make_spec(self.p, s["task"], s["workers"], name, s["lr"], 0, s["global_batch"])
+        )
+
     def tuned(self, task: str, workers: int, method: str) -> Config | None:
         factor = study.best_factor(self.p, task, workers, method, self.done)
         base = self.base[task]
@@ -120,7 +128,7 @@ class Study:
     def part(self, c: Config) -> str:
         """Which part of the study a configuration belongs to (first match)."""
         s = c.spec
-        for stage in ("seeds", "sweep", "ar-lr", "weak", "big", "knobs"):
+        for stage in ("seeds", "sweep", "ar-lr", "weak", "big", "knobs", "compressed"):
             keys = {study.config_key(x) for x in study.plan(self.p, stage, self.done)}
             if study.config_key(s) in keys:
                 if stage in ("seeds", "sweep"):
@@ -321,6 +329,35 @@ def part_table(st: Study, part: str, tables: Path) -> list[str]:
     return md_table(header, rows, tables / f"{part}.csv") if rows else []
 
 
+def compressed_table(st: Study, tables: Path) -> list[str]:
+    """Compressed gossip against the same method's exact gossip, paired by seed (same initial
+    model, same batches), with the issue's target per worker count."""
+    rows = []
+    for c in sorted(st.configs.values(), key=lambda c: _order(st, c)):
+        exact = st.exact(c) if c.method.compression else None
+        seeds = [s for s in c.seeds if exact is not None and s in exact.runs]
+        if exact is None or not seeds:
+            continue
+        gap = study.mean_std(100 * (c.final(s) / exact.final(s) - 1) for s in seeds)
+        target = st.p.compressed_targets.get(c.spec["workers"])
+        rows.append(
+            [
+                c.spec["workers"], label(c), f"{c.spec['lr']:g}", c.spec["warmup"],
+                " ".join(map(str, seeds)), fmt_loss(c), fmt_loss(exact),
+                fmt_gap(gap, len(seeds)), "" if target is None else f"<= {target:g}%",
+                "" if target is None else ("yes" if gap[0] <= target else "no"),
+                fmt_gap(st.gap(c), len(c.seeds)), fmt_gap(st.gap(exact), len(exact.seeds)),
+                f"{statistics.fmean(c.final(s, 'consensus_distance') for s in c.seeds):.3g}",
+            ]
+        )  # fmt: skip
+    header = [
+        "workers", "method", "lr", "warm-up", "seeds", "val loss", "exact: val loss",
+        "vs exact", "target", "met", "vs All-Reduce", "exact: vs All-Reduce",
+        "consensus distance",
+    ]  # fmt: skip
+    return md_table(header, rows, tables / "compressed.csv") if rows else []
+
+
 def recommended(st: Study) -> list[dict]:
     """Per task and worker count (strong scaling and 32 workers), every decentralized method
     that got all the seeds, at its tuned rate: its gap to All-Reduce and the issue's target.
@@ -401,6 +438,9 @@ def write_all(
         table = part_table(st, part, tables)
         if table:
             lines += [f"## {title}", ""] + table
+    table = compressed_table(st, tables)
+    if table:
+        lines += ["## Compressed vs exact gossip (charlm), paired by seed", ""] + table
     (out / "summary.md").write_text("\n".join(lines))
     print(f"wrote {out / 'summary.md'}, summary.csv, recommended.csv")
     if plots:

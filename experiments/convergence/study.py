@@ -9,14 +9,17 @@ stages, each a function of the finished runs, because later stages depend on ear
 4. ``weak``: weak scaling, a fixed local batch of 8 and a global batch that grows;
 5. ``big``: 32 workers, local batch 1;
 6. ``knobs``: one step further where a setting misses (``global_avg_every``, ``accum_iter``,
-   topology, beta2, learning rate).
+   topology, beta2, learning rate);
+7. ``compressed``: compressed gossip (``int8``, ``bf16``) at the uncompressed method's tuned rate
+   and warm-up (no sweep of its own), paired by seed with the uncompressed runs.
 
 Method names are ``family:topology[:option...]``: family ``allreduce``, ``adamw`` (beta2 0.95),
 ``adamw98`` (beta2 0.98), ``accum98`` / ``accum95`` / ``accum99`` (AccumAdamW with that beta2),
 ``accum^s`` (AccumAdamW with betas (0.9**s, 0.95**s), the short-horizon heuristic of study v1);
 topology ``ring``, ``aer`` (alternating-exp-ring, 2 workers per node), ``ope``
 (one-peer-exp), ``complete``; options ``s<k>`` (accum_iter, default min(workers, 8)) and
-``gavg<k>`` (``global_avg_every=k``).
+``gavg<k>`` (``global_avg_every=k``), ``int8`` / ``bf16`` (``compression=``: what crosses
+between nodes is compressed).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ TOPOLOGIES = {
     "ope": "one-peer-exp",
     "complete": "complete",
 }
-STAGES = ["ar-lr", "sweep", "seeds", "weak", "big", "knobs"]
+STAGES = ["ar-lr", "sweep", "seeds", "weak", "big", "knobs", "compressed"]
+COMPRESSIONS = ("int8", "bf16")
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,16 @@ class Protocol:
         ("digits", 4, "adamw:aer", 0.5, (0,)),
         ("digits", 4, "accum98:aer", 0.5, (0,)),
     )
+    # (task, workers, method, seeds): compressed gossip at the tuned rate of the method without
+    # its compression option; the issue's targets: within compressed_targets (%, mean over
+    # seeds) of the uncompressed run's validation loss
+    compressed: tuple[tuple[str, int, str, tuple[int, ...]], ...] = (
+        ("charlm", 4, "adamw:aer:int8", (0, 1, 2)),
+        ("charlm", 8, "adamw:aer:int8", (0, 1, 2)),
+        ("charlm", 4, "adamw:aer:bf16", (0, 1, 2)),
+        ("charlm", 8, "adamw:aer:bf16", (0, 1, 2)),
+    )
+    compressed_targets: dict[int, float] = field(default_factory=lambda: {4: 1.0, 8: 3.0})
 
 
 FULL = Protocol()
@@ -167,6 +181,7 @@ SMOKE = Protocol(
     weak_workers=(),
     big_workers=(),
     knobs=(),
+    compressed=(("charlm", 2, "adamw:aer:int8", (0,)),),
 )
 PROTOCOLS = {"full": FULL, "smoke": SMOKE}
 
@@ -182,6 +197,7 @@ class Method:
     beta2: float
     accum_iter: int
     global_avg_every: int  # 0: never
+    compression: str = ""  # "": exact gossip
 
     @property
     def label(self) -> str:
@@ -189,6 +205,7 @@ class Method:
         if self.optimizer == "allreduce":
             return "All-Reduce AdamW (DDP)"
         extra = f", global avg every {self.global_avg_every}" if self.global_avg_every else ""
+        extra += f", {self.compression} gossip" if self.compression else ""
         if self.optimizer == "adamw":
             b2 = "" if self.beta2 == 0.95 else f" β2={self.beta2:g}"
             return f"DecentralizedAdamW{b2}{extra}"
@@ -202,18 +219,21 @@ def parse_method(name: str, workers: int, beta1: float = 0.9) -> Method:
     family, _, rest = name.partition(":")
     parts = rest.split(":") if rest else []
     topology = TOPOLOGIES[parts[0]] if parts else "all-reduce"
-    options = dict(re.fullmatch(r"([a-z]+)(\d+)", p).groups() for p in parts[1:])  # type: ignore[union-attr]
+    compression = "".join(p for p in parts[1:] if p in COMPRESSIONS)
+    numbered = [p for p in parts[1:] if p not in COMPRESSIONS]
+    options = dict(re.fullmatch(r"([a-z]+)(\d+)", p).groups() for p in numbered)  # type: ignore[union-attr,misc]
     s = int(options.get("s", min(workers, 8)))
     gavg = int(options.get("gavg", 0))
     if family == "allreduce":
         return Method(name, "allreduce", "all-reduce", beta1, 0.95, 1, 0)
     if family.startswith("adamw"):
         beta2 = 0.95 if family == "adamw" else int(family[5:]) / 100
-        return Method(name, "adamw", topology, beta1, beta2, 1, gavg)
+        return Method(name, "adamw", topology, beta1, beta2, 1, gavg, compression)
     if family == "accum^s":
-        return Method(name, "accumadamw", topology, beta1**s, 0.95**s, s, gavg)
+        return Method(name, "accumadamw", topology, beta1**s, 0.95**s, s, gavg, compression)
     if family.startswith("accum"):
-        return Method(name, "accumadamw", topology, beta1, int(family[5:]) / 100, s, gavg)
+        beta2 = int(family[5:]) / 100
+        return Method(name, "accumadamw", topology, beta1, beta2, s, gavg, compression)
     raise ValueError(f"unknown method family {family!r} in {name!r}")
 
 
@@ -305,6 +325,7 @@ def worker_counts(p: Protocol) -> list[int]:
     counts = {p.ar_workers, *p.weak_workers, *p.big_workers}
     counts.update(n for by_count in p.seeds.values() for n in by_count)
     counts.update(knob[1] for knob in p.knobs)
+    counts.update(c[1] for c in p.compressed)
     return sorted(counts)
 
 
@@ -378,6 +399,11 @@ def plan(p: Protocol, stage: str, done: dict[str, float]) -> list[dict]:
                     factor = best_factor(p, task, workers, _tuned_name(method), done)
                 if factor is not None:
                     out += [make_spec(p, task, workers, method, factor * base, s) for s in seeds]
+        if stage == "compressed":
+            for c_task, workers, method, seeds in p.compressed:
+                factor = best_factor(p, task, workers, _tuned_name(method), done)
+                if c_task == task and factor is not None:
+                    out += [make_spec(p, task, workers, method, factor * base, s) for s in seeds]
     return out
 
 
@@ -385,6 +411,11 @@ def _tuned_name(method: str) -> str:
     """The swept method whose tuned rate a knob variant borrows (options stripped)."""
     family, topology, *_ = (method + ":").split(":")
     return f"{family}:{topology}" if topology else family
+
+
+def uncompressed(method: str) -> str:
+    """The method without its compression option: the exact run a compressed one is paired with."""
+    return ":".join(p for p in method.split(":") if p not in COMPRESSIONS)
 
 
 def weak_specs(p: Protocol, base: float, done: dict[str, float]) -> list[dict]:

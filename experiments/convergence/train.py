@@ -199,6 +199,7 @@ def build(task: Task, spec: dict) -> tuple[nn.Module, nn.Module, torch.optim.Opt
     common = dict(
         topology=spec["topology"], local_world_size=local, timeout=PATIENCE,
         global_avg_every=spec["global_avg_every"] or None,
+        compression=study.parse_method(spec["method"], spec["workers"]).compression or None,
     )  # fmt: skip
     if spec["optimizer"] == "adamw":
         opt: torch.optim.Optimizer = dopt.DecentralizedAdamW(groups, **kw, **common)
