@@ -353,3 +353,41 @@ def test_parameters_that_cannot_be_flattened(param, exc, match):
 def test_process_group_without_distributed_is_an_error():
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         dopt.DSGD([torch.randn(2, requires_grad=True)], lr=0.1, process_group=object())
+
+
+def test_accum_adam_in_bf16_equals_adam():
+    # bf16 bases rounded after every operation lost their decay (0.999 v rounds back to v):
+    # the step must round once, as torch's fused Adam does
+    torch.manual_seed(0)
+    mine = [nn.Parameter(torch.randn(64, 33).bfloat16())]
+    theirs = [nn.Parameter(mine[0].detach().clone())]
+    a = dopt.AccumAdamW(mine, lr=0.01, weight_decay=0.1, accum_iter=1)
+    b = torch.optim.AdamW(theirs, lr=0.01, weight_decay=0.1, fused=True)
+    for _ in range(50):
+        mine[0].grad = torch.randn_like(mine[0])
+        theirs[0].grad = mine[0].grad.clone()
+        a.step()
+        b.step()
+    torch.testing.assert_close(mine[0], theirs[0], rtol=2**-5, atol=2**-7)
+    assert (mine[0] != theirs[0]).float().mean() < 0.01
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [lambda g: g.contiguous(memory_format=torch.channels_last), lambda g: g.mT.contiguous().mT],
+    ids=["channels_last", "transposed"],
+)
+def test_gradients_laid_out_unlike_their_parameter(layout):
+    # torch's fused kernels read a parameter and its gradient in memory order
+    torch.manual_seed(0)
+    mine = [nn.Parameter(torch.randn(8, 3, 3, 3))]
+    theirs = [nn.Parameter(mine[0].detach().clone())]
+    a = dopt.DSGD(mine, lr=0.05, momentum=0.9)
+    b = torch.optim.SGD(theirs, lr=0.05, momentum=0.9, foreach=False)
+    for _ in range(3):
+        g = torch.randn(8, 3, 3, 3)
+        mine[0].grad, theirs[0].grad = layout(g), g
+        assert mine[0].grad.stride() != mine[0].stride()
+        a.step()
+        b.step()
+    torch.testing.assert_close(mine[0], theirs[0])

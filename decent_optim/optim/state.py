@@ -164,7 +164,7 @@ class FlatState:
             return Batch(
                 bucket=bucket,
                 params=[bucket.params[k] for k in with_grad],
-                grads=[grads[k] for k in with_grad],  # type: ignore[misc]
+                grads=[_laid_out_like(grads[k], bucket.params[k]) for k in with_grad],  # type: ignore[arg-type]
                 state={key: [v[k] for k in with_grad] for key, v in views.items()},
                 steps=[step_views[k] for k in with_grad] if counted else [],
                 counters=None,
@@ -202,7 +202,7 @@ class FlatState:
         return Batch(
             bucket=bucket,
             params=list(bucket.params),
-            grads=present,
+            grads=[_laid_out_like(g, p) for g, p in zip(present, bucket.params)],
             state={key: list(bucket.state(key)[1]) for key in keys},
             steps=list(step_views),
             counters=counters,
@@ -256,3 +256,16 @@ def _step_count(value: Any, p: Tensor) -> float:
         f"optimizer state 'step' of a parameter of shape {tuple(p.shape)} must count steps "
         f"(a whole number >= 0, as a number or a one-element tensor), got {value!r}"
     )
+
+
+def _laid_out_like(grad: Tensor, param: Tensor) -> Tensor:
+    """``grad``, copied into ``param``'s strides if its own differ.
+
+    torch's fused kernels walk a parameter and its gradient in memory order, element by element
+    (on CPUs and GPUs alike), so a channels_last gradient of a contiguous parameter, or a
+    transposed view, would be applied to the wrong elements. Gradients that autograd
+    accumulates already have their parameter's strides and pass through untouched.
+    """
+    if grad.stride() == param.stride():
+        return grad
+    return torch.empty_like(param, memory_format=torch.preserve_format).copy_(grad)

@@ -245,23 +245,28 @@ def accum_adam_math_(
     ``bias2_rsqrt = 1 / sqrt(1 - beta2**k)``: per-element divisions cost several multiplications'
     time. Math: see :class:`decent_optim.AccumAdam`.
     """
-    x = (param if addend is None else param + addend) * factor
-    g = grad * grad_factor
+    # bf16/fp16 tensors are read into float32 and rounded once, when written back, as torch's
+    # fused Adam does (and inductor's kernel anyway): rounding after every operation would
+    # lose the moments' decay (0.999 v rounds back to v in bf16)
+    p32, g32 = _opmath(param), _opmath(grad)
+    x = (p32 if addend is None else p32 + _opmath(addend)) * factor
+    g = g32 * grad_factor
     if decoupled:
         decayed = x * (1 - lr * weight_decay)
     else:
         g = g + weight_decay * x
         decayed = x
-    m = exp_avg * beta1 + g * (1 - beta1)
-    v = exp_avg_sq * beta2 + g * g * (1 - beta2)
+    m_base, v_base = _opmath(exp_avg), _opmath(exp_avg_sq)
+    m = m_base * beta1 + g * (1 - beta1)
+    v = v_base * beta2 + g * g * (1 - beta2)
     if max_exp_avg_sq is not None:
-        v = torch.maximum(max_exp_avg_sq, v)
+        v = torch.maximum(_opmath(max_exp_avg_sq), v)
         max_exp_avg_sq.copy_(v)
     param.copy_(decayed - step_size * m / (v.sqrt() * bias2_rsqrt + eps))
-    acc = grad_acc + g * inv_s
+    acc = _opmath(grad_acc) + g * inv_s
     if refresh:  # the window ends: the bases move, in the same pass
-        exp_avg.copy_(exp_avg * beta1 + acc * (1 - beta1))
-        exp_avg_sq.copy_(exp_avg_sq * beta2 + acc * acc * (1 - beta2))
+        exp_avg.copy_(m_base * beta1 + acc * (1 - beta1))
+        exp_avg_sq.copy_(v_base * beta2 + acc * acc * (1 - beta2))
         grad_acc.zero_()
     else:
         grad_acc.copy_(acc)
@@ -274,9 +279,22 @@ def refresh_(
 
     Math: see :class:`decent_optim.AccumAdam`.
     """
-    exp_avg.mul_(beta1).add_(grad_acc, alpha=1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad_acc, grad_acc, value=1 - beta2)
+    if exp_avg.dtype in _LOW_PRECISION:  # one rounding per value (see accum_adam_math_)
+        g, m, v = (t.float() for t in (grad_acc, exp_avg, exp_avg_sq))
+        exp_avg.copy_(m.mul_(beta1).add_(g, alpha=1 - beta1))
+        exp_avg_sq.copy_(v.mul_(beta2).addcmul_(g, g, value=1 - beta2))
+    else:
+        exp_avg.mul_(beta1).add_(grad_acc, alpha=1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad_acc, grad_acc, value=1 - beta2)
     grad_acc.zero_()
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _opmath(t: Tensor) -> Tensor:
+    """``t`` in float32 if it is bf16 or fp16, else itself: the precision the step computes in."""
+    return t.float() if t.dtype in _LOW_PRECISION else t
 
 
 def _alias(t: Tensor, start: int, stop: int) -> Tensor:
