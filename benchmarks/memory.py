@@ -15,12 +15,22 @@ parameter-sized buffers (bytes / (numel * element size)). Decent-DP's wrapper is
 way (its optimizers, parameter copies and communication blocks). DDP's reducer buckets live in
 C++ and are not reachable, so DDP is listed with its optimizer only.
 Results: ``benchmarks/results/memory.{json,md}``.
+
+    python benchmarks/memory.py --device cuda --shapes gpt-1.3b [--out DIR]
+
+One process, no process group: the peak memory of three optimizer steps beyond the parameters
+and gradients (``torch.cuda.max_memory_allocated``), for ``torch.optim.AdamW(fused=True)`` and
+for the full steps (mix + update) of DecentralizedAdamW, AccumAdamW and DSGD, whose gossip is
+the loopback of ``_loopback.py`` holding one receive buffer per bucket as the real gossip does.
+Target (issue 24): DecentralizedAdamW <= fused AdamW + one parameter copy. With
+``--device cpu`` (the smoke run) the tensors reachable from the optimizer are counted instead
+of a peak. Results: ``memory_<device>.{json,md}`` in ``--out``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -103,8 +113,19 @@ def compressed_cases() -> list:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compressed", action="store_true")
+    parser.add_argument("--device", default=None, help="one process: peak memory on this device")
+    parser.add_argument("--shapes", nargs="+", default=["gpt-125m"])
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    if args.device is not None:
+        from memory_peak import write_peaks
+
+        write_peaks(args.device, args.shapes, Path(args.out))
+        return
     dist.init_process_group("gloo")
-    compressed = "--compressed" in sys.argv[1:]
+    compressed = args.compressed
     kw = dict(lr=1e-3)
     cases = [
         ("torch.optim.AdamW (reference)", lambda n: _opt(torch.optim.AdamW(n.parameters(), **kw)))

@@ -1,31 +1,36 @@
 """Time of one optimizer step in one process: decent_optim vs its torch.optim counterpart.
 
-    python benchmarks/optimizer_step.py                 # CPU; --device cuda on a GPU
+    python benchmarks/optimizer_step.py                          # CPU: many-small, few-large
+    python benchmarks/optimizer_step.py --device cuda --shapes gpt-125m gpt-1.3b
 
-Two model shapes: ``many-small`` (hundreds of small tensors) and ``few-large`` (a few large
-ones, 10M+ parameters). Methods, run interleaved round-robin so machine load hits all alike:
+Shape sets: see ``shape_sets.py`` (``many-small``, ``few-large``, GPT-style ``gpt-125m``,
+``gpt-1.3b`` and ``gpt-tiny``). Methods (float32 parameters, gradients given):
 
 * ``torch-foreach`` / ``torch-fused``: ``torch.optim.AdamW(foreach=True)`` / ``(fused=True)``;
 * ``decent-update``: ``DecentralizedAdamW.step()`` with one worker (the local update only);
-* ``decent-step``: the full step, mix + update: the optimizer's gossip is replaced by a loopback
-  that hands each bucket a fixed "received" copy the way a ring round does (the peer's values
-  and the weight 1/2 are left to the update), and lends a receive-sized buffer as the real
-  gossip does, so it times the arithmetic of a step without the network;
-* ``decent-step-compiled``: the same full step with the mix and the AdamW update in one compiled
-  loop (``torch.compile`` of :func:`mix_kernel.mix_adamw_`, per parameter on its slice of the
-  bucket; a one-pass step moves 32 bytes per parameter instead of 40); not the library's path
-  (see the README: on this CPU inductor's loop is slower than the two passes of torch's kernels);
+* ``decent-step``: the full step, mix + update: the gossip is a loopback (``_loopback.py``) that
+  hands each bucket a real received buffer the way a pair round does (the peer's values and the
+  weight 1/2 are left to the update), so it times the arithmetic of a step without the network;
+* ``decent-step-compiled``: a one-pass candidate for the same full step, not the library's path:
+  ``torch.compile`` (``--compile-backend``; inductor generates a Triton kernel on GPUs) of
+  :func:`mix_kernel.mix_adamw_`, reading p, the peer's values, g, m, v and writing p, m, v once
+  (32 bytes per parameter instead of 40). Its gradients are views of one buffer per bucket (as
+  DDP's ``gradient_as_bucket_view``), so one call steps a whole bucket;
 * ``torch-sgd-fused`` / ``dsgd-update`` / ``dsgd-step``: the same for ``torch.optim.SGD(fused=True)``
-  and ``DSGD``, both with momentum 0.9 (the mix factor cannot join a momentum update);
+  and ``DSGD``, both with momentum 0.9;
 * ``accum-update`` / ``accum-step``: ``AccumAdamW(accum_iter=4)``, compared with torch's fused
-  AdamW (AccumAdam has no torch counterpart; with ``accum_iter=1`` it is Adam).
+  AdamW (AccumAdam has no torch counterpart; with ``accum_iter=1`` it is Adam). Its update is
+  compiled (one pass, the peer's values read inside) for buckets from 2**20 elements.
 
 Effective bandwidth counts the bytes a step must move per float32 parameter: AdamW reads p, g,
-m, v and writes p, m, v (28 bytes); SGD with momentum reads p, g, b and writes p, b (20);
-AccumAdam at least reads p, g, m, v, the accumulator and writes p and the accumulator (28); the
-mix adds a read of p and of the received copy and a write of p (12 more). ``vs torch`` is the
-ratio to the median of the torch counterpart named in ``reference`` (its fused kernel).
-Results go to ``benchmarks/results/optimizer_step.{json,md}``.
+m, v and writes p, m, v (28 bytes); SGD with momentum 20; AccumAdam at least 28; the mix adds a
+read of p and of the received copy and a write of p (12 more; 4 for the one-pass kernel).
+``vs torch`` is the ratio to the median of the torch counterpart named in ``reference``; ``of
+copy`` the effective bandwidth over that of a device-to-device copy of the same number of
+words, measured in the same run (bytes read + written). On CPUs the methods run interleaved
+round-robin, so machine load hits all alike; on a GPU one after the other (a 1.3B set holds
+one method's tensors at a time), timed with CUDA events, with the peak memory of each.
+Results go to ``--out`` (default ``benchmarks/results/``): ``optimizer_step.{json,md}``.
 """
 
 from __future__ import annotations
@@ -37,12 +42,12 @@ import time
 from pathlib import Path
 
 import torch
+from _loopback import loop_back
 from mix_kernel import mix_adamw_
+from shape_sets import NAMES, shapes
 
 import decent_optim as dopt
-from decent_optim.gossip import GossipHandle, PendingMix
 from decent_optim.rules.adam import AdamRule
-from decent_optim.rules.compiled import CompiledStep
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -62,80 +67,65 @@ METHODS = {
     "dsgd-update": (20, "torch-sgd-fused"),
     "dsgd-step": (32, "torch-sgd-fused"),
 }
-
-
-def shapes(name: str) -> list[tuple[int, ...]]:
-    if name == "many-small":  # ~ 600 tensors, 2.4M parameters: biases, norms, small matrices
-        out: list[tuple[int, ...]] = []
-        for _ in range(150):
-            out += [(64, 128), (128,), (128, 64), (64,)]
-        return out
-    if name == "few-large":  # 4 tensors, 10.5M parameters
-        return [(2048, 2048), (2048, 1024), (1024, 2048), (1024, 2048)]
-    raise ValueError(name)
-
-
-class _Loopback:
-    """A gossiper whose round mixes each buffer with a stored copy: the math of a pair round."""
-
-    rank, world_size = 0, 1
-
-    def __init__(self) -> None:
-        self.received: list[torch.Tensor] | None = None
-        self.receive_buffers: dict[int, torch.Tensor] = {}
-
-    def start(self, buffers, step, **kwargs) -> GossipHandle:  # kwargs: global_average
-        if self.received is None:
-            self.received = [b.clone() for b in buffers]
-        received = self.received
-
-        def finish(defer_addend: bool) -> list[PendingMix]:
-            if defer_addend:  # what Gossiper leaves after a pair round
-                return [PendingMix(0.5, other) for other in received]
-            for buf, other in zip(buffers, received):
-                buf.add_(other)
-            return [PendingMix(0.5)] * len(buffers)
-
-        return GossipHandle([], finish, buffers=buffers)
-
-    def idle_buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
-        # Gossiper lends the bucket's receive buffer; here a buffer of the same size stands in
-        # (the stored copy must stay as it is for the next round)
-        if index not in self.receive_buffers:
-            self.receive_buffers[index] = torch.empty_like(like)
-        return self.receive_buffers[index]
+#: (numerator, denominator, limit) of the targets of issue 24, per shape set
+TARGETS = [
+    ("decent-update", "torch-fused", 1.05),
+    ("decent-step", "torch-fused", 1.2),
+    ("decent-step-compiled", "torch-fused", 1.2),
+    ("accum-step", "decent-step", 1.1),
+]
 
 
 class _OnePassAdamRule(AdamRule):
-    """AdamW whose update adds the peer's values and steps in one compiled loop per parameter."""
+    """AdamW whose update adds the peer's values and steps in one compiled pass per bucket."""
 
-    def __init__(self) -> None:
-        self.kernel = CompiledStep(mix_adamw_)
+    def __init__(self, backend: str) -> None:
+        self.kernel = torch.compile(mix_adamw_, dynamic=True, backend=backend)
+
+    def flatten(self, bucket, group) -> bool:
+        return False  # the kernel reads the peer's values itself: no gradient gathering first
 
     def update(self, batch, group, *, mix, amp) -> None:
         plain = group["amsgrad"] or group["maximize"] or not group["decoupled_weight_decay"]
-        if mix.addend is None or amp.active or plain or batch.step is None:
+        if mix.addend is None or amp.active or plain or batch.step is None or not batch.whole:
             super().update(batch, group, mix=mix, amp=amp)
             return
         batch.advance_steps()
         (beta1, beta2), t = group["betas"], batch.step + 1
         bias = (1 - beta1**t, (1 - beta2**t) ** 0.5)
         hyper = (mix.factor, group["lr"], group["weight_decay"], beta1, beta2, group["eps"], *bias)
-        base = batch.bucket.data
-        for k, p in enumerate(batch.params):
-            at = (p.data_ptr() - base.data_ptr()) // p.element_size()
-            r = mix.addend[at : at + p.numel()]
-            m, v = batch.state["exp_avg"][k], batch.state["exp_avg_sq"][k]
-            args = (p.view(-1), r, batch.grads[k].view(-1), m.view(-1), v.view(-1), *hyper)
-            if not self.kernel.run(p.device, *args):
-                raise SystemExit("decent-step-compiled: torch.compile failed on this machine")
+        bucket = batch.bucket
+        m, v = bucket.state("exp_avg")[0], bucket.state("exp_avg_sq")[0]
+        grad = _flat_grad(bucket, batch.grads)
+        if grad is not None:  # the gradients are views of one buffer: one call for the bucket
+            self.kernel(bucket.data, mix.addend, grad, m, v, *hyper)
+            return
+        for p, g, r, ms, vs in zip(
+            bucket.params, batch.grads, *(bucket.segments(t) for t in (mix.addend, m, v))
+        ):
+            at = (p.data_ptr() - bucket.data.data_ptr()) // p.element_size()
+            self.kernel(bucket.data[at : at + p.numel()], r, g.reshape(-1), ms, vs, *hyper)
 
 
-class _OnePassAdamW(dopt.DecentralizedAdamW):
-    rule = _OnePassAdamRule()
+def _flat_grad(bucket, grads) -> torch.Tensor | None:
+    """The buffer the gradients are views of, laid out like the bucket, or None."""
+    first = grads[0]
+    base = first.data_ptr() - (bucket.params[0].data_ptr() - bucket.data.data_ptr())
+    for p, g in zip(bucket.params, grads):
+        if (
+            g.stride() != p.stride()
+            or g.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+        ):
+            return None
+        if g.data_ptr() - base != p.data_ptr() - bucket.data.data_ptr():
+            return None
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+        first.untyped_storage(), (base - first.untyped_storage().data_ptr()) // first.element_size(),
+        (bucket.numel,), (1,),
+    )  # fmt: skip
 
 
-def make(method: str, params: list[torch.Tensor]):
+def make(method: str, params: list[torch.Tensor], backend: str):
     if method == "torch-foreach":
         return torch.optim.AdamW(params, foreach=True, **ADAMW)
     if method == "torch-fused":
@@ -143,7 +133,14 @@ def make(method: str, params: list[torch.Tensor]):
     if method == "torch-sgd-fused":
         return torch.optim.SGD(params, fused=True, **SGD)
     if method == "decent-step-compiled":
-        opt = _OnePassAdamW(params, **ADAMW)
+        one_pass = type("OnePassAdamW", (dopt.DecentralizedAdamW,), {})
+        one_pass.rule = _OnePassAdamRule(backend)
+        opt = one_pass(params, **ADAMW)
+        for bucket in opt._flat.buckets:  # gradients as views of one buffer per bucket
+            flat = torch.empty_like(bucket.data)
+            for p, view in zip(bucket.params, bucket.views(flat)):
+                view.copy_(p.grad)
+                p.grad = view
     elif method.startswith("decent"):
         opt = dopt.DecentralizedAdamW(params, **ADAMW)
     elif method.startswith("accum"):
@@ -151,33 +148,68 @@ def make(method: str, params: list[torch.Tensor]):
     else:
         opt = dopt.DSGD(params, **SGD)
     if "-step" in method:
-        opt._rounds.gossip = _Loopback()  # type: ignore[assignment]
+        loop_back(opt)
     return opt
 
 
-def run(shape_name: str, device: str, iters: int, warmup: int, methods: list[str]) -> list[dict]:
-    gen = torch.Generator().manual_seed(0)
-    setups = {}
-    for m in methods:
-        params = [
-            torch.randn(s, generator=gen).to(device).requires_grad_() for s in shapes(shape_name)
-        ]
-        grads = [torch.randn(s, generator=gen).to(device) for s in shapes(shape_name)]
-        for p, g in zip(params, grads):
-            p.grad = g
-        setups[m] = make(m, params)
-    numel = sum(p.numel() for p in setups[methods[0]].param_groups[0]["params"])
+def _tensors(shape_name: str, device: str) -> list[torch.Tensor]:
+    gen = torch.Generator(device).manual_seed(0)
+    params = []
+    for s in shapes(shape_name):
+        p = torch.randn(s, generator=gen, device=device).requires_grad_()
+        p.grad = torch.randn(s, generator=gen, device=device)
+        params.append(p)
+    return params
+
+
+def _timed(fn, device: str) -> float:
+    """Seconds ``fn()`` took: CUDA events on a GPU, the wall clock on a CPU."""
+    if device.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def copy_bandwidth(numel: int, device: str, iters: int) -> float:
+    """GB/s of a device-to-device copy of ``numel`` float32 words (bytes read + written)."""
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    times = [_timed(lambda: dst.copy_(src), device) for _ in range(iters + 3)][3:]
+    return 2 * 4 * numel / statistics.median(times) / 1e9
+
+
+def run(shape_name: str, device: str, iters: int, warmup: int, methods: list[str], backend: str):
+    cuda = device.startswith("cuda")
     samples: dict[str, list[float]] = {m: [] for m in methods}
-    for it in range(warmup + iters):
-        for m in methods:  # round robin: background load affects every method alike
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            setups[m].step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            if it >= warmup:
-                samples[m].append(time.perf_counter() - t0)
+    peak: dict[str, float] = {}
+    if cuda:  # one method at a time: its tensors alone on the GPU
+        for m in methods:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            opt = make(m, _tensors(shape_name, device), backend)
+            for it in range(warmup + iters):
+                t = _timed(opt.step, device)
+                if it >= warmup:
+                    samples[m].append(t)
+            peak[m] = torch.cuda.max_memory_allocated() / 1e9
+            del opt
+    else:  # round robin: background load affects every method alike
+        setups = {m: make(m, _tensors(shape_name, device), backend) for m in methods}
+        for it in range(warmup + iters):
+            for m in methods:
+                t = _timed(setups[m].step, device)
+                if it >= warmup:
+                    samples[m].append(t)
+        del setups
+    numel = sum(torch.Size(s).numel() for s in shapes(shape_name))
+    copy = copy_bandwidth(numel, device, iters)
     rows = []
     for m in methods:
         t = statistics.median(samples[m])
@@ -186,9 +218,23 @@ def run(shape_name: str, device: str, iters: int, warmup: int, methods: list[str
         rows.append({
             "shape": shape_name, "method": m, "tensors": len(shapes(shape_name)), "params": numel,
             "median_ms": t * 1e3, "GB_per_s": numel * nbytes / t / 1e9, "reference": ref,
-            "vs_torch": t / ref_t,
+            "vs_torch": t / ref_t, "copy_GB_per_s": copy, "of_copy": numel * nbytes / t / 1e9 / copy,
+            "peak_GB": peak.get(m, float("nan")),
         })  # fmt: skip
     return rows
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """Markdown rows of the issue's targets that these rows can answer."""
+    by = {(r["shape"], r["method"]): r["median_ms"] for r in rows}
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for num, den, limit in TARGETS:
+            if (shape, num) in by and (shape, den) in by:
+                ratio = by[(shape, num)] / by[(shape, den)]
+                status = "met" if ratio <= limit else "**missed**"
+                out.append(f"| {shape} | {num} / {den} <= {limit} | {ratio:.2f}x | {status} |")
+    return out
 
 
 def main() -> None:
@@ -199,34 +245,46 @@ def main() -> None:
     p.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)"
     )
-    p.add_argument("--shapes", nargs="+", default=["many-small", "few-large"])
+    p.add_argument("--shapes", nargs="+", default=["many-small", "few-large"], choices=NAMES)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--compile-backend", default="inductor", help="for decent-step-compiled")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    where = args.device
+    if args.device.startswith("cuda"):
+        where = f"{args.device} ({torch.cuda.get_device_name()})"
     rows = []
     for s in args.shapes:
         print(f"[optimizer_step] {s} ...", flush=True)
-        rows += run(s, args.device, args.iters, args.warmup, args.methods)
+        rows += run(s, args.device, args.iters, args.warmup, args.methods, args.compile_backend)
     lines = [
-        f"optimizer step, one process, {args.device}, {torch.get_num_threads()} threads, "
+        f"optimizer step, one process, {where}, {torch.get_num_threads()} threads, "
         f"median of {args.iters} steps (torch {torch.__version__})",
         "",
-        "| shape | tensors | params | method | ms / step | effective GB/s | vs torch |",
-        "|---|---:|---:|---|---:|---:|---:|",
+        "| shape | tensors | params | method | ms / step | effective GB/s | of copy | vs torch "
+        "| peak GB |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['tensors']} | {r['params'] / 1e6:.1f}M | {r['method']} | "
-            f"{r['median_ms']:.2f} | {r['GB_per_s']:.1f} | {r['vs_torch']:.2f}x |"
+            f"{r['median_ms']:.2f} | {r['GB_per_s']:.1f} | {r['of_copy']:.0%} | "
+            f"{r['vs_torch']:.2f}x | {r['peak_GB']:.2f} |"
         )
+    copies = {r["shape"]: r["copy_GB_per_s"] for r in rows}
+    lines += ["", "device-to-device copy (read + write): " + ", ".join(
+        f"{s} {gbs:.1f} GB/s" for s, gbs in copies.items())]  # fmt: skip
+    checks = targets(rows)
+    if checks:
+        lines += ["", "| shape | target | measured | status |", "|---|---|---:|---|", *checks]
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "optimizer_step.json").write_text(
-        json.dumps({"device": args.device, "rows": rows}, indent=2)
+        json.dumps({"device": where, "torch": torch.__version__, "rows": rows}, indent=2)
     )
     (out / "optimizer_step.md").write_text(table + "\n")
 
