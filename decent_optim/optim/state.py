@@ -264,7 +264,8 @@ def _laid_out_like(grad: Tensor, param: Tensor) -> Tensor:
     torch's fused kernels walk a parameter and its gradient in memory order, element by element
     (on CPUs and GPUs alike), so a channels_last gradient of a contiguous parameter, or a
     transposed view, would be applied to the wrong elements. Gradients that autograd
-    accumulates already have their parameter's strides and pass through untouched.
+    accumulates usually have their parameter's strides (not always: pytorch/pytorch#106951)
+    and then pass through untouched.
     """
     if grad.stride() == param.stride():
         return grad
