@@ -8,6 +8,7 @@ nor gradients (``memory.reachable_tensors``), as no allocator peak is kept there
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -43,6 +44,7 @@ CASES = {
 
 def measure(device: str, shape_name: str, name: str) -> dict:
     cuda = device.startswith("cuda")
+    gc.collect()  # the last case's optimizer may sit in reference cycles
     if cuda:
         torch.cuda.empty_cache()
     gen = torch.Generator(device).manual_seed(0)

@@ -28,14 +28,16 @@ read of p and of the received copy and a write of p (12 more; 4 for the one-pass
 ``vs torch`` is the ratio to the median of the torch counterpart named in ``reference``; ``of
 copy`` the effective bandwidth over that of a device-to-device copy of the same number of
 words, measured in the same run (bytes read + written). On CPUs the methods run interleaved
-round-robin, so machine load hits all alike; on a GPU one after the other (a 1.3B set holds
-one method's tensors at a time), timed with CUDA events, with the peak memory of each.
+round-robin, so machine load hits all alike; on a GPU (or with ``--one-at-a-time``) one after
+the other, so that memory holds one method's tensors at a time (a 1.3B set), timed with CUDA
+events, with the peak memory of each.
 Results go to ``--out`` (default ``benchmarks/results/``): ``optimizer_step.{json,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -185,21 +187,33 @@ def copy_bandwidth(numel: int, device: str, iters: int) -> float:
     return 2 * 4 * numel / statistics.median(times) / 1e9
 
 
-def run(shape_name: str, device: str, iters: int, warmup: int, methods: list[str], backend: str):
+def run(
+    shape_name: str,
+    device: str,
+    iters: int,
+    warmup: int,
+    methods: list[str],
+    backend: str,
+    one_at_a_time: bool,
+):
     cuda = device.startswith("cuda")
     samples: dict[str, list[float]] = {m: [] for m in methods}
     peak: dict[str, float] = {}
-    if cuda:  # one method at a time: its tensors alone on the GPU
+    if one_at_a_time:  # each method's tensors alone in memory (a 1.3B set on one GPU)
         for m in methods:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+            gc.collect()  # the last method's optimizer may sit in reference cycles
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
             opt = make(m, _tensors(shape_name, device), backend)
             for it in range(warmup + iters):
                 t = _timed(opt.step, device)
                 if it >= warmup:
                     samples[m].append(t)
-            peak[m] = torch.cuda.max_memory_allocated() / 1e9
+            if cuda:
+                peak[m] = torch.cuda.max_memory_allocated() / 1e9
             del opt
+        gc.collect()
     else:  # round robin: background load affects every method alike
         setups = {m: make(m, _tensors(shape_name, device), backend) for m in methods}
         for it in range(warmup + iters):
@@ -248,6 +262,11 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["many-small", "few-large"], choices=NAMES)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--compile-backend", default="inductor", help="for decent-step-compiled")
+    p.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="time the methods one after the other, not interleaved (always on a GPU)",
+    )
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     if args.threads:
@@ -258,7 +277,10 @@ def main() -> None:
     rows = []
     for s in args.shapes:
         print(f"[optimizer_step] {s} ...", flush=True)
-        rows += run(s, args.device, args.iters, args.warmup, args.methods, args.compile_backend)
+        sequential = args.one_at_a_time or args.device.startswith("cuda")
+        rows += run(
+            s, args.device, args.iters, args.warmup, args.methods, args.compile_backend, sequential
+        )
     lines = [
         f"optimizer step, one process, {where}, {torch.get_num_threads()} threads, "
         f"median of {args.iters} steps (torch {torch.__version__})",
