@@ -22,6 +22,7 @@ import argparse
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -93,14 +94,18 @@ class Stages:
             return False, ""
         print(f"[gpu_check] {name}: {' '.join(cmd)} (up to {limit:.0f} s)", flush=True)
         start = time.monotonic()
+        # its own process group, so that a timeout ends its children too (pytest's rank
+        # workers, inductor's compile workers), which would otherwise hold the output pipe open
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )  # fmt: skip
         try:
-            done = subprocess.run(
-                cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=limit
-            )
-            text, status = done.stdout + done.stderr, f"exit status {done.returncode}"
-            ok = done.returncode == 0
-        except subprocess.TimeoutExpired as err:
-            text = _text(err.stdout) + _text(err.stderr)
+            text, _ = proc.communicate(timeout=limit)
+            status, ok = f"exit status {proc.returncode}", proc.returncode == 0
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
             status, ok = f"**timed out** after {limit:.0f} s", False
         seconds = time.monotonic() - start
         self.report.append((name, status, seconds))
@@ -109,12 +114,6 @@ class Stages:
         target.flush()
         print(f"[gpu_check] {name}: {status}, {seconds:.0f} s", flush=True)
         return ok, text
-
-
-def _text(data: bytes | str | None) -> str:
-    if data is None:
-        return ""
-    return data.decode(errors="replace") if isinstance(data, bytes) else data
 
 
 def main(argv: list[str] | None = None) -> int:
