@@ -164,10 +164,11 @@ def main() -> None:
                  f"{dist.get_world_size()} ranks, "
                  f"float32, {rows[0]['params'] / 1e6:.2f}M parameters\n\n" + "\n".join(lines))  # fmt: skip
         print(table)
-        RESULTS.mkdir(parents=True, exist_ok=True)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
         name = "memory_compressed" if compressed else "memory"
-        (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=2))
-        (RESULTS / f"{name}.md").write_text(table + "\n")
+        (out / f"{name}.json").write_text(json.dumps(rows, indent=2))
+        (out / f"{name}.md").write_text(table + "\n")
     dist.destroy_process_group()
 
 
