@@ -292,7 +292,8 @@ def test_compiled_equals_eager_without_recompiles_after_step_3(what, device):
     assert warm >= 1, "nothing was compiled"
     assert graphs == warm, f"recompiled after step 3: {warm} -> {graphs} graphs"
     for x, y in zip(got, want):
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+        # generated kernels may round differently; a skipped or doubled update moves by ~lr
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-4)
 
 
 # -- gradients laid out unlike their parameters -------------------------------------------------
