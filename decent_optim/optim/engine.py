@@ -23,17 +23,20 @@ from decent_optim._validation import (
     check_timeout,
     check_unsupported,
 )
-from decent_optim.gossip.handle import NO_MIX
+from decent_optim.gossip.handle import NO_MIX, PendingMix
 from decent_optim.optim import checkpoint, consensus
 from decent_optim.optim.inputs import AveragedCheck, check_membership, gradients
 from decent_optim.optim.options import ParamsT, with_defaults
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.startup import connect
 from decent_optim.optim.state import FlatState
-from decent_optim.rules.base import Amp, UpdateRule
+from decent_optim.rules.base import Amp, Batch, UpdateRule
 from decent_optim.topologies import Topology
 
 __all__ = ["DecentralizedOptimizer"]
+
+#: one bucket's update in a step: its index, batch, param group, mix left to apply, GradScaler values
+Work = tuple[int, Batch, dict[str, Any], PendingMix, Amp]
 
 
 class DecentralizedOptimizer(Optimizer):
@@ -187,6 +190,24 @@ class DecentralizedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Under torch.compile only the update rule is traced; the gossip, the checks and the
+        # bookkeeping run eagerly (see _prepare). Traced, the in-place mix of a bucket and the
+        # rule's writes through the parameters would look like unrelated tensors to the compiler:
+        # each parameter's `.data` aliases its bucket with a storage of its own
+        # (decent_optim.flat), so the graph read the parameters before the mix was written.
+        work = self._prepare(torch.compiler.is_compiling())
+        for _, batch, group, mix, amp in work:
+            self.rule.update(batch, group, mix=mix, amp=amp)
+        self._conclude(work)
+        return loss
+
+    @torch._dynamo.disable  # type: ignore[misc]
+    def _prepare(self, traced: bool) -> list[Work]:
+        """Everything a step does before the rule: checks, the round's wait and mix, the batches.
+
+        ``traced``: the step is being compiled; every mix is then applied here, eagerly, and the
+        rule gets per-parameter batches with nothing left to mix.
+        """
         check_membership(self._member, self.param_groups, self._group_params)
         self._readopt()
         grads = gradients(
@@ -203,6 +224,7 @@ class DecentralizedOptimizer(Optimizer):
         mixes = self._rounds.take()
         # set by GradScaler.step
         amp = Amp(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        work = []
         for index, bucket in enumerate(self._flat.buckets):
             group = self.param_groups[bucket.group_index]
             batch, mix = self._flat_state.batch(
@@ -212,13 +234,19 @@ class DecentralizedOptimizer(Optimizer):
                 grads[index],
                 NO_MIX if mixes is None else mixes[index],
                 self._rounds.gossip.idle_buffer,
+                traced=traced,
             )
             if batch is not None:
-                self.rule.update(batch, group, mix=mix, amp=amp)
-                self._flat_state.updated(index, batch, amp.active)
+                work.append((index, batch, group, mix, amp))
+        return work
+
+    @torch._dynamo.disable  # type: ignore[misc]
+    def _conclude(self, work: list[Work]) -> None:
+        """After the rule: count the updates, and launch the next round."""
+        for index, batch, _, _, amp in work:
+            self._flat_state.updated(index, batch, amp.active)
         # launch even when no parameter had a gradient: the neighbours wait on this round
         self._rounds.launch()
-        return loss
 
     def synchronize(self) -> None:
         """Wait for the gossip in flight and mix it into the parameters.
