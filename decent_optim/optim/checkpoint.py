@@ -109,7 +109,8 @@ def agree_to_load(
     except Exception as err:
         account.error, own = (type(err).__name__, str(err)), err
     name = type(optimizer).__name__
-    agree(account, group, device, f"{name}.load_state_dict", own=own, hints=_HINTS)
+    timeout = getattr(optimizer._rounds.gossip, "timeout", None)
+    agree(account, group, device, f"{name}.load_state_dict", own=own, hints=_HINTS, timeout=timeout)
     return resume
 
 

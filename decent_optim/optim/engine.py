@@ -25,6 +25,7 @@ from decent_optim._validation import (
 )
 from decent_optim.gossip.handle import NO_MIX, PendingMix
 from decent_optim.optim import checkpoint, consensus
+from decent_optim.optim.failure import FailureLatch, guarded, guarded_block
 from decent_optim.optim.inputs import AveragedCheck, check_membership, gradients
 from decent_optim.optim.options import ParamsT, with_defaults
 from decent_optim.optim.rounds import Rounds
@@ -132,6 +133,7 @@ class DecentralizedOptimizer(Optimizer):
     ) -> None:
         failure = None
         self._building = True
+        self._latch = FailureLatch(type(self).__name__)
         try:  # a rank that fails alone must tell the others, which would wait for it at start-up
             check_unsupported(
                 type(self).__name__, capturable=capturable, differentiable=differentiable
@@ -202,6 +204,7 @@ class DecentralizedOptimizer(Optimizer):
         return loss
 
     @torch._dynamo.disable  # type: ignore[misc]
+    @guarded
     def _prepare(self, traced: bool) -> list[Work]:
         """Everything a step does before the rule: checks, the round's wait and mix, the batches.
 
@@ -241,6 +244,7 @@ class DecentralizedOptimizer(Optimizer):
         return work
 
     @torch._dynamo.disable  # type: ignore[misc]
+    @guarded
     def _conclude(self, work: list[Work]) -> None:
         """After the rule: count the updates, and launch the next round."""
         for index, batch, _, _, amp in work:
@@ -248,6 +252,7 @@ class DecentralizedOptimizer(Optimizer):
         # launch even when no parameter had a gradient: the neighbours wait on this round
         self._rounds.launch()
 
+    @guarded
     def synchronize(self) -> None:
         """Wait for the gossip in flight and mix it into the parameters.
 
@@ -275,9 +280,13 @@ class DecentralizedOptimizer(Optimizer):
             >>> with opt.averaged(model):  # doctest: +SKIP
             ...     val_loss = evaluate(model)
         """
-        self._readopt()
-        return consensus.averaged(self._rounds, self._flat.buffers, module)
+        with self._latch.guard():
+            self._readopt()
+        return guarded_block(
+            self._latch, consensus.averaged(self._rounds, self._flat.buffers, module)
+        )
 
+    @guarded
     def consensus_distance(self) -> float:
         r"""This rank's distance to the mean parameters, :math:`\lVert x_i - \bar x \rVert_2`.
 
@@ -316,6 +325,7 @@ class DecentralizedOptimizer(Optimizer):
         """
         return checkpoint.save(self)
 
+    @guarded
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch.optim-format state; the round counter comes from the ``decent_optim`` entry.
 
@@ -337,6 +347,7 @@ class DecentralizedOptimizer(Optimizer):
         # out. The peers launched the same round, so this returns promptly; a dead peer makes
         # the wait fail, which must not escape a destructor.
         try:
-            self._rounds.wait()
+            if self._latch.failure is None:  # after a failure the peers are gone or out of step
+                self._rounds.wait()
         except Exception:
             pass
