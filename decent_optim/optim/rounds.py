@@ -83,10 +83,20 @@ class Rounds:
 
     def readopt(self, owner: str) -> None:
         """Take back parameters moved with ``.to()`` or given new ``.data`` (``owner`` names the
-        optimizer in errors): after the round's transfers, which read the old, unwritten memory."""
+        optimizer in errors): after the round's transfers, which read the old, unwritten memory.
+
+        New values (``p.data = t``) while a round is in flight settle the round first, as
+        ``synchronize()`` before the write would have: its mix goes into the old memory, then
+        the new values replace it, so the next step updates exactly them, as torch.optim would.
+        (Mixing them with the neighbours' values of the round before would halve the change.)
+        """
         if self._flat.moved():
+            changed = self._flat.changed(owner)
             self.wait(check_writes=False)
-            self._flat.readopt(owner)
+            if self._pending is not None and any(changed):
+                handle, self._pending = self._pending, None
+                handle.mix_()
+            self._flat.readopt(owner, changed)
             self.record_versions()  # the versions of the memory taken back
 
     def check_free(self, what: str) -> None:
