@@ -29,8 +29,10 @@ lose its one kernel per bucket).
 under torchrun) copies every parameter, and ``p.data = t`` (torch's ``average_parameters``)
 replaces one: the parameter no longer aliases its bucket, so gossip would miss it. One comparison
 of data pointers per step notices it (:meth:`FlatParams.moved`), and :meth:`FlatParams.readopt`
-copies the new values into the bucket and aliases it again, as if they had been written in place;
-a new device, dtype or shape cannot go back and is an error that says what to do.
+copies the new values into the bucket and aliases it again, as if they had been written in place
+(values equal to the alias's, a move, are not copied: the alias may hold a mix written since);
+a new device, dtype or shape cannot go back and is an error that says what to do, and so is new
+memory shared by two parameters (weights tied after the optimizer was built).
 
 A bucket also owns the optimizer's per-parameter state: every state tensor (``exp_avg``,
 ``momentum_buffer``, ...) is a flat buffer laid out like the parameters, and the step counters

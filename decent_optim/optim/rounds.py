@@ -11,7 +11,9 @@ the neighbours would receive some old and some new values, and differently in ev
 the parameters' version counters (which torch bumps on every in-place write through the tensor
 or a view of it, ``p.detach()`` included) are read when a round is launched and compared when
 it is taken; a difference raises, and ``synchronize()`` first is the way to write between
-steps. Writes through ``p.data`` bypass those counters and cannot be seen.
+steps. Writes through ``p.data`` bypass those counters, but ``p.data = t`` gives the parameter new
+memory, which :meth:`Rounds.readopt` notices: it settles the round (whose memory was not
+written) and then takes ``t``.
 """
 
 from __future__ import annotations
