@@ -45,7 +45,15 @@ def _silent_peer(rank, world_size):
     opt = dopt.DSGD([x], lr=0.1, timeout=TIMEOUT)
     if rank == 1:
         return []
-    return _calls(opt, x, 3)
+    calls = _calls(opt, x, 3)
+    for call in (lambda: opt.averaged().__enter__(), opt.consensus_distance):
+        start = time.monotonic()
+        try:
+            call()
+            calls.append(("ok", "", time.monotonic() - start))
+        except Exception as err:
+            calls.append((type(err).__name__, str(err), time.monotonic() - start))
+    return calls
 
 
 @pytest.mark.multiprocess
@@ -57,7 +65,7 @@ def test_silent_peer_ends_the_averaged_check_and_later_calls_in_one_clear_error(
     assert message.startswith("[rank 0] the check for gradients averaged before step()"), message
     assert "the other rank(s): [1]" in message and "timeout 2 s" in message, message
     assert seconds < 15, calls
-    for kind, later, seconds in calls[2:]:  # step() and synchronize() afterwards
+    for kind, later, seconds in calls[2:]:  # step(), synchronize(), averaged(), distance
         assert kind == "GossipError", calls
         assert "cannot continue after an earlier gossip failure" in later, later
         assert message in later and seconds < 1, calls
