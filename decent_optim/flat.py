@@ -29,8 +29,10 @@ lose its one kernel per bucket).
 under torchrun) copies every parameter, and ``p.data = t`` (torch's ``average_parameters``)
 replaces one: the parameter no longer aliases its bucket, so gossip would miss it. One comparison
 of data pointers per step notices it (:meth:`FlatParams.moved`), and :meth:`FlatParams.readopt`
-copies the new values into the bucket and aliases it again, as if they had been written in place;
-a new device, dtype or shape cannot go back and is an error that says what to do.
+copies the new values into the bucket and aliases it again, as if they had been written in place
+(values equal to the alias's, a move, are not copied: the alias may hold a mix written since);
+a new device, dtype or shape cannot go back and is an error that says what to do, and so is new
+memory shared by two parameters (weights tied after the optimizer was built).
 
 A bucket also owns the optimizer's per-parameter state: every state tensor (``exp_avg``,
 ``momentum_buffer``, ...) is a flat buffer laid out like the parameters, and the step counters
@@ -109,20 +111,30 @@ class Bucket:
         # every step: one comparison of lists, no Python work per parameter
         return [p.data_ptr() for p in self.params] != self._ptrs
 
-    def readopt(self, owner: str) -> None:
-        """Copy the values of every parameter that left its alias back in, and alias it again.
+    def changed(self, owner: str) -> list[int]:
+        """The parameters that left their alias with other values than it holds (``p.data = t``).
 
-        Raises RuntimeError, before changing anything, for a parameter whose new ``.data`` has
-        another shape, dtype or device: its stretch of the bucket cannot hold it (``owner``, the
-        optimizer's name, is for the message).
+        A copy of the same values (``model.to(...)``) is not a change. Raises RuntimeError for a
+        parameter whose new ``.data`` has another shape, dtype or device: its stretch of the
+        bucket cannot hold it (``owner``, the optimizer's name, is for the message).
         """
         moved = [k for k, p in enumerate(self.params) if p.data_ptr() != self._ptrs[k]]
         for k in moved:
             _check_readoptable(self.params[k], self.aliases[k], owner)
-        for k in moved:
-            p, alias = self.params[k], self.aliases[k]
-            alias.copy_(p.detach())
-            p.data = alias
+        return [k for k in moved if not torch.equal(self.params[k].detach(), self.aliases[k])]
+
+    def readopt(self, changed: list[int]) -> None:
+        """Alias every parameter that left its alias again; copy in the values of ``changed``.
+
+        The others (moved with the same values) keep what their alias holds now, e.g. the mix
+        of the round that was in flight.
+        """
+        for k, p in enumerate(self.params):
+            if p.data_ptr() != self._ptrs[k]:
+                alias = self.aliases[k]
+                if k in changed:
+                    alias.copy_(p.detach())
+                p.data = alias
 
 
 class FlatParams:
@@ -161,11 +173,26 @@ class FlatParams:
         """Whether some parameter stopped aliasing its bucket (``.to()``, ``p.data = ...``)."""
         return any(b.moved() for b in self.buckets)
 
-    def readopt(self, owner: str) -> None:
-        """Take every parameter that stopped aliasing its bucket back in, with its new values."""
-        for b in self.buckets:
+    def changed(self, owner: str) -> list[list[int]]:
+        """Per bucket, :meth:`Bucket.changed`; raises ValueError for parameters that now share
+        memory (weights tied by ``b.data = a.data`` after the optimizer was built)."""
+        params = [p for b in self.buckets for p in b.params]
+        try:
+            check_disjoint(params)
+        except ValueError as err:
+            raise ValueError(
+                f"after {owner} was built, {err}. Tie weights before building the optimizer"
+            ) from None
+        return [b.changed(owner) if b.moved() else [] for b in self.buckets]
+
+    def readopt(self, owner: str, changed: list[list[int]] | None = None) -> None:
+        """Take every parameter that stopped aliasing its bucket back in, with its new values
+        (``changed``: those whose values are copied in, from :meth:`changed`, computed if None)."""
+        if changed is None:
+            changed = self.changed(owner)
+        for b, ks in zip(self.buckets, changed):
             if b.moved():
-                b.readopt(owner)
+                b.readopt(ks)
 
 
 def check_flattenable(p: Tensor) -> None:

@@ -2,8 +2,11 @@
 
 ``model.to("cpu:0")`` (accelerate, HF Trainer), ``p.data = t`` (torch's ``average_parameters``)
 give a parameter new memory after the optimizer was built. The next step (or any method that reads
-the buckets) waits for the round in flight, copies the new values into the bucket and aliases it
-again: training goes on as if the values had been written in place at that moment.
+the buckets) takes them back into the bucket and aliases it again. A move (the same values) leaves
+the round in flight to be mixed as usual; new values settle the round first, so training goes on
+as if ``opt.synchronize()`` had been called just before they were written in place (as
+torch.optim, the next step updates exactly the new values; mixing them with the neighbours'
+values of the round before would halve the change).
 """
 
 from __future__ import annotations
@@ -45,12 +48,12 @@ def _reassign(model, opt, rank):
 
 
 def _write_in_place(model, opt, rank):
-    # the same values written into the buckets, once the round in flight is complete
-    # (consensus_distance waits for its transfers and leaves its mix to the next step)
-    opt.consensus_distance()
+    # the same values written into the buckets the documented way: synchronize() first
+    new = [_new_values(p, rank) for p in model.parameters()]
+    opt.synchronize()
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(_new_values(p, rank))
+        for p, value in zip(model.parameters(), new):
+            p.copy_(value)
 
 
 EVENTS = {"none": _none, "move": _move, "reassign": _reassign, "in-place": _write_in_place}
@@ -96,7 +99,7 @@ def test_moved_or_reassigned_parameters_are_taken_back_with_their_values(world_s
                 # .to("cpu:0") changes nothing: the run equals the uninterrupted one
                 for a, b in zip(run["move"], run["none"]):
                     assert torch.equal(a, b), label
-                # p.data = t: as if t had been written in place after the round in flight
+                # p.data = t: as if t had been written in place after synchronize()
                 for a, b in zip(run["reassign"], run["in-place"]):
                     assert torch.equal(a, b), label
                 assert not all(torch.equal(a, b) for a, b in zip(run["reassign"], run["none"]))
@@ -120,14 +123,15 @@ def _post_local_sgd(rank: int, world_size: int, by_hand: bool) -> list[torch.Ten
         if not by_hand:
             opt.step()
             continue
-        # the same averaging written in place, once the round in flight is complete
+        # the same averaging written in place, after synchronize() as the docs ask
         inner.step()
         if t >= 2 and (t - 2) % 2 == 0:
-            inner.consensus_distance()  # waits for the round's transfers, mixes nothing
+            means = [p.detach() / world_size for p in model.parameters()]
+            for mean in means:
+                dist.all_reduce(mean)
+            inner.synchronize()
             with torch.no_grad():
-                for p in model.parameters():
-                    mean = p.detach() / world_size
-                    dist.all_reduce(mean)
+                for p, mean in zip(model.parameters(), means):
                     p.copy_(mean)
     inner.synchronize()
     assert all(p.untyped_storage().nbytes() == p.nbytes for p in model.parameters())

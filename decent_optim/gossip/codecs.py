@@ -58,6 +58,10 @@ class Codec(ABC):
     def decode_add_(self, payload: Tensor, out: Tensor, lo: int = 0, hi: int | None = None) -> None:
         """``out[lo:hi] += decode(payload)[lo:hi]``; ``lo`` a multiple of :data:`CHUNK`."""
 
+    @abstractmethod
+    def nonfinite(self, payload: Tensor) -> Tensor:
+        """A 0-d bool tensor: whether ``payload`` decodes to some inf or NaN (no host read)."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -83,6 +87,15 @@ class Bf16(Codec):
     def decode_add_(self, payload: Tensor, out: Tensor, lo: int = 0, hi: int | None = None) -> None:
         hi = out.numel() if hi is None else hi
         out[lo:hi].add_(payload.view(torch.bfloat16)[lo:hi])
+
+    def nonfinite(self, payload: Tensor) -> Tensor:
+        # inf and NaN are the bfloat16 values whose 8 exponent bits are all ones; testing the
+        # bits as integers is much faster on CPUs than isfinite on bfloat16 (6.3M values, 2
+        # threads, best of 15: 0.78 ms against 10.5 ms; the encode itself: 2.75 ms)
+        if payload.numel() == 0:
+            return torch.zeros((), dtype=torch.bool, device=payload.device)
+        exponent = payload.view(torch.int16) & 0x7F80
+        return exponent.max() == 0x7F80
 
 
 class Int8(Codec):
@@ -146,6 +159,11 @@ class Int8(Codec):
                 out=d.view(-1, CHUNK),
             )
             out[start:stop].add_(d[: stop - start])
+
+    def nonfinite(self, payload: Tensor) -> Tensor:
+        # a non-finite difference makes its chunk's scale (its largest magnitude) inf or NaN,
+        # so the scales alone tell: 1/1024 of the payload
+        return ~torch.isfinite(self.parts(payload)[1]).all()
 
     def _tmp(self, like: Tensor) -> Tensor:
         dtype = torch.promote_types(like.dtype, torch.float32)

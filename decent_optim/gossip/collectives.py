@@ -6,6 +6,7 @@ measurements of :mod:`decent_optim.plan` reach :mod:`torch.distributed` only thr
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from decent_optim.gossip.handle import GossipHandle
 
 __all__ = [
     "all_reduce_",
@@ -30,7 +33,39 @@ __all__ = [
     "resolve_group",
     "shutdown",
     "slowest",
+    "wait_bounded",
 ]
+
+#: why a start-up collective usually fails: the ranks did not all reach it, or reached it on
+#: different process groups (collectives on two groups never match)
+STARTUP_HINT = (
+    "Every rank must build the optimizer at the same point of the program, with the same "
+    "process_group= (None on every rank, or a group with the same ranks on every rank: a rank "
+    "passing None waits on the world group while the others wait on their sub-group); a rank "
+    "may also have died or be busy elsewhere. Pass timeout= to the optimizer to wait less"
+)
+
+
+def wait_bounded(
+    works: Sequence[Any],
+    group: Any,
+    timeout: datetime.timedelta | None,
+    what: str,
+    hint: str | None = None,
+) -> None:
+    """Wait for ``works`` (collectives on ``group``) at most ``timeout``; a timeout or transport
+    error raises :class:`~decent_optim.gossip.GossipError` naming ``what`` and the group's ranks."""
+    rank = dist.get_rank(group)
+    others = [r for r in range(dist.get_world_size(group)) if r != rank]
+    GossipHandle(
+        [(w, None) for w in works],
+        None,
+        rank=rank,
+        timeout=timeout,
+        what=what,
+        group_peers=others,
+        hint=hint,
+    ).wait()
 
 
 def resolve_group(process_group: Any) -> tuple[Any, int]:
@@ -91,11 +126,19 @@ def check_devices(group: Any, params: list[Tensor]) -> None:
         )
 
 
-def gather_ints(values: list[int], group: Any, device: torch.device) -> list[list[int]]:
-    """Every rank's ``values`` (as many on every rank), by group rank: one all-gather."""
+def gather_ints(
+    values: list[int],
+    group: Any,
+    device: torch.device,
+    timeout: datetime.timedelta | None = None,
+    what: str = "a start-up check",
+) -> list[list[int]]:
+    """Every rank's ``values`` (as many on every rank), by group rank: one all-gather, waited
+    for at most ``timeout`` (:func:`wait_bounded`; ``what`` names it in the error)."""
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
+    work = dist.all_gather(everyone, mine, group=group, async_op=True)
+    wait_bounded([work], group, timeout, what, STARTUP_HINT)
     return [[int(v) for v in t.tolist()] for t in everyone]
 
 
@@ -134,22 +177,33 @@ def channel(group: Any, slot: int) -> Any:
     return made
 
 
-def broadcast_(tensors: Sequence[Tensor], group: Any) -> None:
-    """In place: every rank's tensors become group rank 0's."""
+def broadcast_(
+    tensors: Sequence[Tensor],
+    group: Any,
+    timeout: datetime.timedelta | None = None,
+    what: str = "the start-up broadcast of rank 0's values",
+) -> None:
+    """In place: every rank's tensors become group rank 0's (waited for at most ``timeout``)."""
     src = dist.get_global_rank(group, 0)
-    for t in tensors:
-        dist.broadcast(t, src=src, group=group)
+    works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in tensors]
+    wait_bounded(works, group, timeout, what, STARTUP_HINT)
 
 
-def identical(values: Tensor, group: Any) -> Callable[[], bool]:
+def identical(
+    values: Tensor,
+    group: Any,
+    timeout: datetime.timedelta | None = None,
+    what: str = "a check of identical values",
+) -> Callable[[], bool]:
     """Whether every rank of ``group`` passed bit-identical ``values`` (a 1-D float64 tensor on
-    the group's device): one small all-reduce, launched now; the returned function waits for it."""
+    the group's device): one small all-reduce, launched now; the returned function waits for it
+    (at most ``timeout``, else :class:`~decent_optim.gossip.GossipError` naming ``what``)."""
     both = torch.cat([values, -values])
     work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
     n = values.numel()
 
     def answer() -> bool:
-        work.wait()
+        wait_bounded([work], group, timeout, what)
         return bool(torch.equal(both[:n], -both[n:]) and both[:n].any())  # largest == smallest
 
     return answer

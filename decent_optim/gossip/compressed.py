@@ -16,6 +16,17 @@ would. The members of two parts add exactly opposite terms, so a round leaves th
 unchanged whatever :math:`Q` did (up to the rounding of the additions). :math:`\gamma = 1`
 (:data:`GAMMA`); :math:`Q` is a :mod:`~decent_optim.gossip.codecs` codec.
 
+**Non-finite values.** An inf or NaN in what a part sends enters every holder's public copy,
+and every later difference against that copy is non-finite too: exact gossip forgets a bad value
+once the parameters are repaired, the copies would not. So each round notes (on the device, no
+host read) whether a payload held one; the holders of a copy see the same payloads, so they
+decide alike, and at the next round they forget their copies (:meth:`CompressedGroup.reset`)
+and send exact values, which recovers as exact gossip does once every rank has repaired its
+parameters. The rank whose own values were non-finite says so in a ``RuntimeWarning`` naming
+its rank and the round, once until it sends finite values again: like torch.optim, which never
+checks parameters, training goes on (a loss-spike handler or a reload may repair them), but
+not silently. Reading the note costs one host read of two flags per round, at the next launch.
+
 The steps are those of :mod:`~decent_optim.gossip.nodes`; member ``k`` of a part keeps the
 public copies of its shard only (:math:`p` shards of :math:`1/L` of each bucket). In step 2 it
 encodes :math:`q_a`, adds it to its own copy in the same pass, and sends it; in step 3 it adds
@@ -26,6 +37,7 @@ group (and the first after :meth:`CompressedGroup.reset`) has no public copies y
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -55,6 +67,10 @@ class CompressedGroup(AcrossNodes):
         self._copies: list[list[Tensor]] = []  # per bucket: each part's public copy of the shard
         self._layout: list[tuple[int, torch.dtype, torch.device]] = []
         self._primed = False  # the copies hold values every member agrees on
+        # of the last round: (own payload non-finite, some payload non-finite), on the device
+        self._flags: Tensor | None = None
+        self._round = 0  # the round those flags are of
+        self._reported = False  # the own non-finite values were reported (until they are finite)
 
     def reset(self) -> None:
         """Forget the public copies: the next round sends exact values (all members must call it)."""
@@ -62,6 +78,8 @@ class CompressedGroup(AcrossNodes):
 
     def start(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
         parts, link, codec = self.parts, self.link, self.codec
+        self._check_last_round()
+        self._round = step
         shards, own, means = self._shards(buffers, step)
         copies = self._copies_for(means)
         primed, peers = self._primed, parts.counterparts()
@@ -81,6 +99,7 @@ class CompressedGroup(AcrossNodes):
                 held[parts.mine].copy_(m)
             outgoing.append(out)
             incoming.append(ins)
+        sent_bad = self._any([self._nonfinite(out, primed) for out in outgoing])
         receives = [
             (buf, peer, b) for b, ins in enumerate(incoming) for peer, buf in zip(peers, ins)
         ]
@@ -92,12 +111,44 @@ class CompressedGroup(AcrossNodes):
                 acc = link.scratch("acc", min(SLICE, x.numel()), x.dtype, x.device)
                 payloads = incoming[b] if primed else None
                 mix_shard_(x, means[b], copies[b], parts.mine, payloads, codec, acc)
+            # what every holder of these copies received: the same payloads, the same answer
+            got = [self._nonfinite(buf, primed) for ins in incoming for buf in ins]
+            self._flags = torch.stack([sent_bad, self._any([sent_bad, *got])])
             self._primed = True
             if parts.width > 1:
                 self._gather(buffers, shards, step)
             return [NO_MIX] * len(buffers)
 
         return link.handle(works, finish, buffers, step)
+
+    def _nonfinite(self, payload: Tensor, primed: bool) -> Tensor:
+        """Whether a payload (exact values when not ``primed``) holds inf or NaN (0-d, device)."""
+        return self.codec.nonfinite(payload) if primed else ~torch.isfinite(payload).all()
+
+    @staticmethod
+    def _any(flags: list[Tensor]) -> Tensor:
+        return torch.stack(flags).any() if flags else torch.tensor(False)
+
+    def _check_last_round(self) -> None:
+        """Act on the flags of the last round: report own non-finite values, forget copies
+        that took non-finite ones (module docstring)."""
+        if self._flags is None:
+            return
+        sent_bad, some_bad = (bool(v) for v in self._flags.tolist())
+        self._flags = None
+        if some_bad:
+            self._primed = False  # the copies are non-finite: start over with exact values
+        if sent_bad and not self._reported:
+            warnings.warn(
+                f"[rank {self.link.rank}] compressed gossip round {self._round}: the parameters "
+                "this rank sent hold non-finite values (inf or NaN), and its peers mixed them "
+                f"in (ranks {list(self.parts.group)}), as exact gossip would. Repair the "
+                "parameters on every rank (a loss-spike handler, a checkpoint reload): the "
+                "public copies start over with exact values, so nothing non-finite stays",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._reported = sent_bad
 
     def _copies_for(self, means: list[Tensor]) -> list[list[Tensor]]:
         layout = [(m.numel(), m.dtype, m.device) for m in means]

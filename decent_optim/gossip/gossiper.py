@@ -12,10 +12,10 @@ from torch import Tensor
 
 from decent_optim.gossip import codecs
 from decent_optim.gossip.allreduce import GroupAllReduce
-from decent_optim.gossip.collectives import identical
+from decent_optim.gossip.collectives import identical, wait_bounded
 from decent_optim.gossip.compressed import CompressedGroup
 from decent_optim.gossip.exchange import Exchange, Idle, Link
-from decent_optim.gossip.handle import DONE, GossipHandle
+from decent_optim.gossip.handle import DONE, GossipError, GossipHandle
 from decent_optim.gossip.nodes import NodeAverage, Parts
 from decent_optim.gossip.p2p import PointToPoint
 from decent_optim.topologies import Topology
@@ -41,7 +41,7 @@ class LocalGossiper:
     ) -> GossipHandle:
         return DONE
 
-    def average_(self, tensors: Sequence[Tensor]) -> None:
+    def average_(self, tensors: Sequence[Tensor], what: str = "") -> None:
         """The mean over one rank is the tensor itself."""
 
     def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
@@ -51,7 +51,7 @@ class LocalGossiper:
     def reset(self) -> None:
         """Nothing to forget."""
 
-    def identical(self, values: Tensor) -> Callable[[], bool]:
+    def identical(self, values: Tensor, what: str = "") -> Callable[[], bool]:
         """No other rank to compare with."""
         return lambda: False
 
@@ -226,19 +226,33 @@ class Gossiper:
         the topology (periodic global averaging); every rank must pass the same value.
         """
         exchange = self._global if global_average else self._rounds[step % len(self._rounds)]
-        return exchange.start(buffers, step)
+        try:
+            return exchange.start(buffers, step)
+        except RuntimeError as err:  # a dead peer's transport error, raised by the send itself
+            if isinstance(err, GossipError):
+                raise
+            peers = sorted(
+                set(self.topology.in_peers(self.rank, step))
+                | set(self.topology.out_peers(self.rank, step))
+            )
+            raise GossipError(
+                f"[rank {self.rank}] gossip round {step}: launching it failed, with peer(s) "
+                f"{peers}; a peer has probably died. Cause: {err}"
+            ) from err
 
-    def average_(self, tensors: Sequence[Tensor]) -> None:
-        """In place, synchronously: every tensor becomes its mean over the group's ranks."""
+    def average_(self, tensors: Sequence[Tensor], what: str = "the global average") -> None:
+        """In place, synchronously: every tensor becomes its mean over the group's ranks
+        (waited for at most the timeout; ``what`` names it in the error)."""
         works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors]
-        GossipHandle([(w, None) for w in works], None, rank=self.rank, timeout=self.timeout).wait()
+        wait_bounded(works, self.group, self.timeout, what)
         for t in tensors:
             t.div_(self.world_size)
 
-    def identical(self, values: Tensor) -> Callable[[], bool]:
+    def identical(self, values: Tensor, what: str = "a check") -> Callable[[], bool]:
         """Whether every rank passed bit-identical, nonzero ``values``: a collective launched
-        now (one small all-reduce); the returned function waits for the answer."""
-        return identical(values, self.group)
+        now (one small all-reduce); the returned function waits for the answer (at most the
+        timeout; ``what`` names it in the error)."""
+        return identical(values, self.group, self.timeout, what)
 
     def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
         """A receive buffer of bucket ``index`` that no round is using now (see :class:`Link`)."""

@@ -73,12 +73,20 @@ class GossipHandle:
         rank: int = 0,
         timeout: datetime.timedelta | None = None,
         on_close: Callable[[], None] | None = None,
+        what: str | None = None,
+        group_peers: Sequence[int] = (),
+        hint: str | None = None,
     ) -> None:
         self._works = works  # (work, peer it talks to, or None for a group collective)
         self._finish = finish
         self._buffers = list(buffers)
         self._on_close = on_close  # run once the received values are consumed or dropped
         self.round, self.rank, self.timeout = round, rank, timeout
+        # for collectives outside the rounds (start-up, checks, averages): what the wait is for,
+        # the other ranks of the group (a group collective cannot tell which one is missing),
+        # and what usually causes a failure there
+        self.what = what if what is not None else f"gossip round {round}"
+        self._group_peers, self._hint = list(group_peers), hint
 
     @property
     def is_noop(self) -> bool:
@@ -86,7 +94,11 @@ class GossipHandle:
         return not self._works and self._finish is None
 
     def wait(self) -> None:
-        """Block until every send and receive of the round completed (at most ``timeout``)."""
+        """Block until every send and receive of the round completed (at most ``timeout``).
+
+        Raises :class:`GossipError` naming the round (or check) and the peers on a timeout or
+        on any transport error (a dead peer's "Connection reset by peer", gloo's own timeout).
+        """
         works, self._works = self._works, []
         deadline = None if self.timeout is None else time.monotonic() + self.timeout.total_seconds()
         for k, (work, _) in enumerate(works):
@@ -102,20 +114,26 @@ class GossipHandle:
 
     def _explain(self, waiting: list[int], deadline: float | None, err: Exception) -> str:
         """What a failed wait knows, and what usually causes it (a rank busy alone included)."""
-        who = f"peer(s) {waiting}" if waiting else "its gossip group"
+        if waiting:
+            who = f"peer(s) {waiting}"
+        elif self._group_peers:
+            who = f"its group (the other rank(s): {self._group_peers})"
+        else:
+            who = "its gossip group"
         limit = "" if self.timeout is None else f" (timeout {self.timeout.total_seconds():g} s)"
         if deadline is not None and time.monotonic() >= deadline:
             what = f"{who} did not take part in it within the timeout{limit}"
         else:
             what = f"waiting on {who} failed{limit}"
-        return (
-            f"[rank {self.rank}] gossip round {self.round}: {what}. A peer may have died, called "
+        hint = self._hint or (
+            "A peer may have died, called "
             "step() fewer times than this rank (every rank must call step() once per iteration), "
             "or be busy in work that only some ranks do, such as evaluation or checkpointing "
             "under `if rank == 0:`. Evaluate on every rank inside opt.averaged(model), or call "
             "opt.synchronize() and a barrier around rank-only work, or pass a longer timeout= "
-            f'(see "Rank-only work" in docs/training_loops). Cause: {err}'
+            '(see "Rank-only work" in docs/training_loops)'
         )
+        return f"[rank {self.rank}] {self.what}: {what}. {hint}. Cause: {err}"
 
     def mix_(self) -> None:
         """Overwrite the buffers with the weighted mix (once; after :meth:`wait`)."""

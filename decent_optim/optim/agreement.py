@@ -14,6 +14,7 @@ number of parameters, not with their size.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -166,6 +167,7 @@ def agree(
     *,
     own: BaseException | None = None,
     extra: Sequence[int] = (),
+    timeout: datetime.timedelta | None = None,
     **explain_kw: Any,
 ) -> list[list[int]]:
     """Compare ``account`` across the ranks of ``group``; raise the same error on every rank.
@@ -173,10 +175,13 @@ def agree(
     One all-gather of the digest (plus ``extra`` integers, returned by rank for the caller); a
     second, of the accounts, only when the digests differ. ``group`` None is a world of one.
     ``own`` is this rank's exception behind ``account.error``; ``explain_kw`` go to
-    :func:`explain`.
+    :func:`explain`. The all-gather waits at most ``timeout`` (a ``GossipError`` naming ``what``).
     """
     mine = digest(account) + list(extra)
-    rows = [mine] if group is None else gather_ints(mine, group, device)  # type: ignore[arg-type]
+    if group is None:
+        rows = [mine]
+    else:
+        rows = gather_ints(mine, group, device, timeout, what)  # type: ignore[arg-type]
     if all(row[:DIGEST_SIZE] == rows[0][:DIGEST_SIZE] for row in rows):
         if own is not None:  # every rank failed alike
             raise own

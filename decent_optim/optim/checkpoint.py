@@ -109,7 +109,8 @@ def agree_to_load(
     except Exception as err:
         account.error, own = (type(err).__name__, str(err)), err
     name = type(optimizer).__name__
-    agree(account, group, device, f"{name}.load_state_dict", own=own, hints=_HINTS)
+    timeout = getattr(optimizer._rounds.gossip, "timeout", None)
+    agree(account, group, device, f"{name}.load_state_dict", own=own, hints=_HINTS, timeout=timeout)
     return resume
 
 
@@ -158,9 +159,11 @@ def _check_owner(optimizer: DecentralizedOptimizer, extra: Any) -> None:
     if saved is not None and saved != optimizer.rank:
         raise ValueError(
             f"rank {optimizer.rank} loaded the checkpoint saved by rank {saved}: every rank loads "
-            f"the file it saved (e.g. f'ckpt-rank{{rank}}.pt'; Accelerate's and the HF Trainer's "
-            "own checkpoints hold rank 0's state only: use DecentralizedAccelerator or "
-            f"DecentralizedTrainer from decent_optim.integrations, which keep a file per rank) {fix}"
+            f"the file it saved (e.g. f'ckpt-rank{{rank}}.pt'; Accelerate's, the HF Trainer's and "
+            "Lightning's own checkpoints hold rank 0's state only: use DecentralizedAccelerator, "
+            "DecentralizedTrainer or, with Lightning, "
+            "decent_optim.integrations.lightning.DecentralizedStrategy, which keep a file per "
+            f"rank) {fix}"
         )
     saved, mine = extra.get("topology"), topology_key(optimizer.topology)
     if saved is not None and saved != mine:

@@ -32,7 +32,7 @@ def averaged(
     rounds.held_by = "opt.averaged()"
     try:
         with torch.no_grad():
-            rounds.gossip.average_([t.detach() for t in tensors])
+            rounds.gossip.average_([t.detach() for t in tensors], "opt.averaged()")
         yield
     finally:
         rounds.held_by = None
@@ -47,5 +47,5 @@ def distance(rounds: Rounds, buffers: list[Tensor]) -> float:
     rounds.wait()
     values = [b.double() for b in buffers]  # float64 copies: an exact-ish mean
     mean = [v.clone() for v in values]
-    rounds.gossip.average_(mean)
+    rounds.gossip.average_(mean, "opt.consensus_distance()")
     return math.sqrt(sum(float(torch.sub(v, m).square().sum()) for v, m in zip(values, mean)))

@@ -23,17 +23,21 @@ from decent_optim._validation import (
     check_timeout,
     check_unsupported,
 )
-from decent_optim.gossip.handle import NO_MIX
+from decent_optim.gossip.handle import NO_MIX, PendingMix
 from decent_optim.optim import checkpoint, consensus
+from decent_optim.optim.failure import FailureLatch, guarded, guarded_block
 from decent_optim.optim.inputs import AveragedCheck, check_membership, gradients
 from decent_optim.optim.options import ParamsT, with_defaults
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.startup import connect
 from decent_optim.optim.state import FlatState
-from decent_optim.rules.base import Amp, UpdateRule
+from decent_optim.rules.base import Amp, Batch, UpdateRule
 from decent_optim.topologies import Topology
 
 __all__ = ["DecentralizedOptimizer"]
+
+#: one bucket's update in a step: its index, batch, param group, mix left to apply, GradScaler values
+Work = tuple[int, Batch, dict[str, Any], PendingMix, Amp]
 
 
 class DecentralizedOptimizer(Optimizer):
@@ -129,6 +133,7 @@ class DecentralizedOptimizer(Optimizer):
     ) -> None:
         failure = None
         self._building = True
+        self._latch = FailureLatch(type(self).__name__)
         try:  # a rank that fails alone must tell the others, which would wait for it at start-up
             check_unsupported(
                 type(self).__name__, capturable=capturable, differentiable=differentiable
@@ -187,6 +192,25 @@ class DecentralizedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Under torch.compile only the update rule is traced; the gossip, the checks and the
+        # bookkeeping run eagerly (see _prepare). Traced, the in-place mix of a bucket and the
+        # rule's writes through the parameters would look like unrelated tensors to the compiler:
+        # each parameter's `.data` aliases its bucket with a storage of its own
+        # (decent_optim.flat), so the graph read the parameters before the mix was written.
+        work = self._prepare(torch.compiler.is_compiling())
+        for _, batch, group, mix, amp in work:
+            self.rule.update(batch, group, mix=mix, amp=amp)
+        self._conclude(work)
+        return loss
+
+    @torch._dynamo.disable  # type: ignore[misc]
+    @guarded
+    def _prepare(self, traced: bool) -> list[Work]:
+        """Everything a step does before the rule: checks, the round's wait and mix, the batches.
+
+        ``traced``: the step is being compiled; every mix is then applied here, eagerly, and the
+        rule gets per-parameter batches with nothing left to mix.
+        """
         check_membership(self._member, self.param_groups, self._group_params)
         self._readopt()
         grads = gradients(
@@ -203,6 +227,7 @@ class DecentralizedOptimizer(Optimizer):
         mixes = self._rounds.take()
         # set by GradScaler.step
         amp = Amp(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        work = []
         for index, bucket in enumerate(self._flat.buckets):
             group = self.param_groups[bucket.group_index]
             batch, mix = self._flat_state.batch(
@@ -212,14 +237,22 @@ class DecentralizedOptimizer(Optimizer):
                 grads[index],
                 NO_MIX if mixes is None else mixes[index],
                 self._rounds.gossip.idle_buffer,
+                traced=traced,
             )
             if batch is not None:
-                self.rule.update(batch, group, mix=mix, amp=amp)
-                self._flat_state.updated(index, batch, amp.active)
+                work.append((index, batch, group, mix, amp))
+        return work
+
+    @torch._dynamo.disable  # type: ignore[misc]
+    @guarded
+    def _conclude(self, work: list[Work]) -> None:
+        """After the rule: count the updates, and launch the next round."""
+        for index, batch, _, _, amp in work:
+            self._flat_state.updated(index, batch, amp.active)
         # launch even when no parameter had a gradient: the neighbours wait on this round
         self._rounds.launch()
-        return loss
 
+    @guarded
     def synchronize(self) -> None:
         """Wait for the gossip in flight and mix it into the parameters.
 
@@ -247,9 +280,13 @@ class DecentralizedOptimizer(Optimizer):
             >>> with opt.averaged(model):  # doctest: +SKIP
             ...     val_loss = evaluate(model)
         """
-        self._readopt()
-        return consensus.averaged(self._rounds, self._flat.buffers, module)
+        with self._latch.guard():
+            self._readopt()
+        return guarded_block(
+            self._latch, consensus.averaged(self._rounds, self._flat.buffers, module)
+        )
 
+    @guarded
     def consensus_distance(self) -> float:
         r"""This rank's distance to the mean parameters, :math:`\lVert x_i - \bar x \rVert_2`.
 
@@ -288,6 +325,7 @@ class DecentralizedOptimizer(Optimizer):
         """
         return checkpoint.save(self)
 
+    @guarded
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch.optim-format state; the round counter comes from the ``decent_optim`` entry.
 
@@ -309,6 +347,7 @@ class DecentralizedOptimizer(Optimizer):
         # out. The peers launched the same round, so this returns promptly; a dead peer makes
         # the wait fail, which must not escape a destructor.
         try:
-            self._rounds.wait()
+            if self._latch.failure is None:  # after a failure the peers are gone or out of step
+                self._rounds.wait()
         except Exception:
             pass

@@ -123,4 +123,6 @@ class AveragedCheck:
         for g in (g for bucket in grads for g in bucket if g is not None):
             total[0] += g.sum(dtype=torch.float64).to(device)
             total[1] += torch.linalg.vector_norm(g, dtype=torch.float64).to(device)
-        self._answer = gossip.identical(total)
+        self._answer = gossip.identical(
+            total, "the check for gradients averaged before step() (asked at step 1)"
+        )

@@ -11,7 +11,9 @@ the neighbours would receive some old and some new values, and differently in ev
 the parameters' version counters (which torch bumps on every in-place write through the tensor
 or a view of it, ``p.detach()`` included) are read when a round is launched and compared when
 it is taken; a difference raises, and ``synchronize()`` first is the way to write between
-steps. Writes through ``p.data`` bypass those counters and cannot be seen.
+steps. Writes through ``p.data`` bypass those counters, but ``p.data = t`` gives the parameter new
+memory, which :meth:`Rounds.readopt` notices: it settles the round (whose memory was not
+written) and then takes ``t``.
 """
 
 from __future__ import annotations
@@ -83,10 +85,20 @@ class Rounds:
 
     def readopt(self, owner: str) -> None:
         """Take back parameters moved with ``.to()`` or given new ``.data`` (``owner`` names the
-        optimizer in errors): after the round's transfers, which read the old, unwritten memory."""
+        optimizer in errors): after the round's transfers, which read the old, unwritten memory.
+
+        New values (``p.data = t``) while a round is in flight settle the round first, as
+        ``synchronize()`` before the write would have: its mix goes into the old memory, then
+        the new values replace it, so the next step updates exactly them, as torch.optim would.
+        (Mixing them with the neighbours' values of the round before would halve the change.)
+        """
         if self._flat.moved():
+            changed = self._flat.changed(owner)
             self.wait(check_writes=False)
-            self._flat.readopt(owner)
+            if self._pending is not None and any(changed):
+                handle, self._pending = self._pending, None
+                handle.mix_()
+            self._flat.readopt(owner, changed)
             self.record_versions()  # the versions of the memory taken back
 
     def check_free(self, what: str) -> None:

@@ -198,6 +198,7 @@ def connect(
         extra=[Membership.slots_taken(group)],
         hints=_HINTS,
         item_hint=_ITEM_HINT,
+        timeout=timeout,
     )
     assert topo is not None  # agree() raised otherwise
     taken = 0
@@ -210,8 +211,7 @@ def connect(
     if world_size == 1:
         return Connected(LocalGossiper(topo), topo, flat, frozen, None, member, None, None)
     own_values = [b.clone() for b in flat.buffers]
-    broadcast_(flat.buffers, group)
-    broadcast_([p.detach() for p in frozen], group)
+    broadcast_(flat.buffers + [p.detach() for p in frozen], group, timeout)
     differs = any(not torch.equal(a, b) for a, b in zip(own_values, flat.buffers))
     stash = Stash(own_values, flat.buffers) if differs else None
     gossip = Gossiper(

@@ -142,11 +142,13 @@ class FlatState:
         grads: list[Tensor | None],
         mix: PendingMix,
         idle_buffer: Callable[[int, Tensor], Tensor | None],
+        *,
+        traced: bool = False,
     ) -> tuple[Batch | None, PendingMix]:
         """This step's batch of bucket ``index`` and what is left of its mix.
 
-        A batch covers the whole bucket when every parameter has a gradient (and no trace is
-        running); then the mix stays pending for the rule. Otherwise the mix is applied here and
+        A batch covers the whole bucket when every parameter has a gradient and the rule is not
+        being traced (``traced``: ``torch.compile``); then the mix stays pending for the rule. Otherwise the mix is applied here and
         the batch holds the parameters that have gradients (None if there are none).
         """
         bucket = self.buckets[index]
@@ -158,7 +160,7 @@ class FlatState:
         fresh = self._bind(index, state, keys, with_grad)
         counted = self.rule.counts_steps
         counters, step_views = bucket.steps() if counted else (None, [])
-        if len(with_grad) < len(bucket.params) or torch.compiler.is_compiling():
+        if len(with_grad) < len(bucket.params) or traced:
             mix.apply_(bucket.data)
             views = {key: bucket.state(key)[1] for key in keys}
             return Batch(

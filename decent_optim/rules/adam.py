@@ -135,6 +135,8 @@ def adam_math_(
     if max_exp_avg_sq is not None:
         max_exp_avg_sq.copy_(torch.maximum(max_exp_avg_sq, exp_avg_sq))
         second = max_exp_avg_sq
-    bias1 = 1 - beta1**step
-    bias2_sqrt = (1 - beta2**step).sqrt()
+    # the counters are float32; the bias corrections in float64, as torch's kernels compute them
+    count = step.double()
+    bias1 = 1 - beta1**count
+    bias2_sqrt = (1 - beta2**count).sqrt()
     param.sub_(lr * (exp_avg / bias1) / (second.sqrt() / bias2_sqrt + group["eps"]))
