@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 
 import pytest
 import torch
@@ -503,3 +504,37 @@ def test_gossip_averager_needs_a_process_group_and_a_valid_period():
         GossipAverager(period=0)
     with pytest.raises(RuntimeError, match="init_process_group"):
         GossipAverager(period=1)
+
+
+def _save_rank_files(rank, world_size, out):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = dopt.DecentralizedAdamW(model.parameters(), lr=0.1, topology="ring")
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 3, generator=gen)).square().sum().backward()
+        opt.step()
+    common.save_models_and_optimizers(os.path.join(out, "x-"), [model], [opt])
+
+
+@pytest.mark.multiprocess
+def test_rank_files_of_two_ranks_resume_on_one_from_their_mean(tmp_path):
+    """The adapters' own checkpoints (HF Trainer, Accelerate) at another world size."""
+    run_world(_save_rank_files, 2, str(tmp_path))
+    saved = [torch.load(tmp_path / f"x-rank{r}-of-2.pt", weights_only=True) for r in range(2)]
+    model = nn.Linear(3, 2)
+    opt = dopt.DecentralizedAdamW(model.parameters(), lr=0.1)
+    common.load_models_and_optimizers(tmp_path / "x-", [model], [opt])
+    for key, value in model.state_dict().items():
+        mean = (saved[0]["models"][0][key].double() + saved[1]["models"][0][key].double()) / 2
+        torch.testing.assert_close(value.double(), mean, rtol=1e-6, atol=1e-7)
+    state = opt.state_dict()
+    assert state["decent_optim"]["step"] == 3 and state["decent_optim"]["world_size"] == 1
+    exp_avg = [s["optimizers"][0]["state"][0]["exp_avg"].double() for s in saved]
+    torch.testing.assert_close(state["state"][0]["exp_avg"].double(), sum(exp_avg) / 2)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()  # training goes on at the new size
+    shutil.copy(tmp_path / "x-rank1-of-2.pt", tmp_path / "x-rank0-of-2.pt")  # one rank's, twice
+    with pytest.raises(ValueError, match="holds the optimizer state of rank 1 of 2, not of rank 0"):
+        common.load_models_and_optimizers(tmp_path / "x-", [model], [opt])

@@ -102,7 +102,7 @@ def load(
     agree(account, group, device, "decent_optim.checkpoint.load", own=own)
     assert loaded is not None  # agree() raised otherwise
     state = loaded["optimizer"]
-    opt.load_state_dict(state if source == "own" else resize.retarget(state, opt))
+    opt.load_state_dict(state if source == "own" else resize.retarget(state))
     return Resumed(manifest.step, loaded["extra"], folder, manifest.world_size, source)
 
 

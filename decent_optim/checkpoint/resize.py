@@ -24,7 +24,8 @@ rank ever holds more than one saved copy plus the running sum (never all N).
 The optimizer's own ``"decent_optim"`` entry is then rewritten for the new world
 (:func:`retarget`): same round counter, no round in flight (a round of the old topology cannot run
 on the new one; under ``"consensus"`` its mix is already in the mean, since mixing keeps the
-mean), this rank and world size, the new topology. The first rounds after the load send exact
+mean), and without the old world's size, rank and topology, which ``load_state_dict`` would
+otherwise refuse. The first rounds after the load send exact
 values, so ``compression=``'s public copies are rebuilt from the loaded parameters.
 """
 
@@ -38,8 +39,6 @@ import torch
 from torch import Tensor
 
 from decent_optim.optim.checkpoint import KEY
-from decent_optim.optim.engine import DecentralizedOptimizer
-from decent_optim.optim.startup import topology_key
 
 __all__ = ["RULES", "merged", "read", "retarget", "source_of"]
 
@@ -158,23 +157,24 @@ def _mean(total: Any, count: int) -> Any:
     return total
 
 
-def retarget(state_dict: dict[str, Any], optimizer: DecentralizedOptimizer) -> dict[str, Any]:
-    """``state_dict`` (an optimizer's, from another world size) made loadable by ``optimizer``.
+def retarget(tree: Any) -> Any:
+    """``tree`` with every optimizer state dict in it made loadable at another world size.
 
-    Keeps the round counter; says no round is in flight; names this rank, world size and
-    topology; drops the fingerprint of the parameters (they are not this rank's saved values).
+    In each dict holding a ``"decent_optim"`` entry, the entry keeps the round counter, says no
+    round is in flight, and loses what ties it to the saving world (world size, rank, topology,
+    the fingerprint of that rank's parameters), which ``load_state_dict`` then does not check.
     """
-    entry = state_dict.get(KEY)
-    if entry is None:  # a torch.optim checkpoint: nothing ties it to a world size
-        return state_dict
-    if not isinstance(entry, dict):
-        raise ValueError(f"state_dict[{KEY!r}] must be a dict, got {type(entry).__name__}")
-    entry = {
-        **entry,
-        "pending": False,
-        "world_size": optimizer.world_size,
-        "rank": optimizer.rank,
-        "topology": topology_key(optimizer.topology),
-        "params": None,
-    }
-    return {**state_dict, KEY: entry}
+    if isinstance(tree, dict):
+        out = {k: retarget(v) for k, v in tree.items()}
+        entry = out.get(KEY)
+        if isinstance(entry, dict):
+            kept = {k: v for k, v in entry.items() if k not in _OWNER_KEYS}
+            out[KEY] = {**kept, "pending": False}
+        return out
+    if isinstance(tree, list):
+        return [retarget(v) for v in tree]
+    return tree
+
+
+#: what ties a saved optimizer state to the world that saved it
+_OWNER_KEYS = ("world_size", "rank", "topology", "params")
