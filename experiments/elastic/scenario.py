@@ -49,6 +49,7 @@ def agent(args: argparse.Namespace, port: int, host: bool, log: Path) -> subproc
         "--max-restarts", str(args.max_restarts), "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"{args.host}:{port}", "--rdzv-id", "elastic-scenario",
         "--rdzv-conf", conf, "--monitor-interval", "0.2",
+        *(["--local-addr", os.environ["EMU_NODE_ADDR"]] if "EMU_NODE_ADDR" in os.environ else []),
         str(SCRIPT), "--steps", str(args.steps), "--log-every", "1",
         "--eval-every", str(args.steps), "--save-every", str(args.save_every),
         "--checkpoint-dir", str(args.workdir / "ckpt"), "--metrics", str(args.workdir / "metrics.jsonl"),
@@ -101,12 +102,12 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.endswith("}")]
 
 
-def wait_for(what: str, test, procs: list[subprocess.Popen], timeout: float) -> None:
+def wait_for(what: str, test, procs: list, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not test():
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout:.0f} s for {what}")
-        if procs[0].poll() is not None and not test():
+        if procs[0] is not None and procs[0].poll() is not None and not test():
             raise RuntimeError(f"the first agent exited ({procs[0].returncode}) before {what}")
         time.sleep(0.1)
 
@@ -115,9 +116,10 @@ def run(args: argparse.Namespace) -> dict:
     args.workdir.mkdir(parents=True, exist_ok=True)
     metrics = args.workdir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    port = free_port()
+    port = int(os.environ["MASTER_PORT"]) if args.role == "node1" else free_port()
     full = args.nodes * args.nproc_per_node
-    first = agent(args, port, True, args.workdir / "node0.log")
+    # role node1: the first node's agent runs in its own namespace (emulated.sh), not here
+    first = None if args.role == "node1" else agent(args, port, True, args.workdir / "node0.log")
     second = agent(args, port, False, args.workdir / "node1.log")
     procs = [first, second]
     try:
@@ -154,11 +156,12 @@ def run(args: argparse.Namespace) -> dict:
         )
         first_full = done_at(full, rejoined_at)[0]
         for proc in procs:
-            proc.wait(timeout=args.timeout)
-        codes = [p.returncode for p in procs]
+            if proc is not None:
+                proc.wait(timeout=args.timeout)
+        codes = [None if p is None else p.returncode for p in procs]
     finally:
         for proc in procs:
-            if proc.poll() is None:
+            if proc is not None and proc.poll() is None:
                 kill_tree(proc.pid)
     summary = {
         "world_sizes": [full, small, full],
@@ -226,7 +229,18 @@ def main() -> None:
     p.add_argument("--background", action="store_true", help="background checkpoint saves")
     p.add_argument("--timeout", type=float, default=300.0, help="per phase")
     p.add_argument("--plot", help="write the loss curve here")
+    p.add_argument(
+        "--role", choices=["local", "node0", "node1"], default="local",
+        help="local: both agents here; node0/node1: one node of emulated.sh",
+    )  # fmt: skip
     args = p.parse_args()
+    if args.role == "node0":  # the rendezvous host: just its agent, to the end
+        args.host = os.environ["MASTER_ADDR"]
+        sys.exit(
+            agent(args, int(os.environ["MASTER_PORT"]), True, args.workdir / "node0.log").wait()
+        )
+    if args.role == "node1":
+        args.host = os.environ["MASTER_ADDR"]
     summary = run(args)
     print(json.dumps(summary, indent=1))
     if args.plot:
