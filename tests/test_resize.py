@@ -45,8 +45,14 @@ def _train(model: nn.Module, opt, steps: int, rank: int) -> None:
         opt.step()
 
 
+def _chosen(compression) -> list[int]:
+    """Every optimizer; with compression (which only changes the gossip) one is enough."""
+    return [2] if compression else list(range(len(OPTIMIZERS)))
+
+
 def _save_all(rank: int, world_size: int, root: str, steps: int, compression) -> None:
-    for index, (cls, kw, _) in enumerate(OPTIMIZERS):
+    for index in _chosen(compression):
+        cls, kw, _ = OPTIMIZERS[index]
         model = _model(0)
         opt = cls(model.parameters(), topology="ring", compression=compression, **kw)
         _train(model, opt, steps, rank)  # the last round is still in flight
@@ -57,7 +63,8 @@ def _save_all(rank: int, world_size: int, root: str, steps: int, compression) ->
 
 def _load_all(rank: int, world_size: int, root: str, rule: str, compression) -> list:
     results = []
-    for index, (cls, kw, _) in enumerate(OPTIMIZERS):
+    for index in _chosen(compression):
+        cls, kw, _ = OPTIMIZERS[index]
         model = _model(1000 + rank)  # other start values: all must be replaced
         opt = cls(model.parameters(), topology="ring", compression=compression, **kw)
         resumed = checkpoint.load(f"{root}/{index}", model, opt, rule=rule)
@@ -88,8 +95,8 @@ def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([t.double() for t in tensors]).mean(0)
 
 
-def _check(results: list, root: Path, rule: str, new_world: int) -> None:
-    for index, per_rank in enumerate(zip(*results)):
+def _check(results: list, root: Path, rule: str, new_world: int, compression) -> None:
+    for index, per_rank in zip(_chosen(compression), zip(*results)):
         files = _saved(root, index)
         old_world = len(files)
         for rank, (step, source, extra, params, moments, entry, finite) in enumerate(per_rank):
@@ -115,6 +122,7 @@ def test_shrink_4_to_2_and_grow_2_to_4(tmp_path, compression):
         tmp_path / "four",
         "consensus",
         2,
+        compression,
     )
     run_world(_save_all, 2, str(tmp_path / "two"), SAVED_STEP, compression)
     _check(
@@ -122,6 +130,7 @@ def test_shrink_4_to_2_and_grow_2_to_4(tmp_path, compression):
         tmp_path / "two",
         "rank",
         4,
+        compression,
     )
 
 
