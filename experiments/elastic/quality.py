@@ -4,7 +4,7 @@
 
 For each case ``A->B`` (default 8->4 and 4->8) and each resize rule, trains the study's run
 (``experiments/convergence``: charlm, global batch 32, DecentralizedAdamW on
-alternating-exp-ring at its tuned learning rate, warm-up and cosine schedule, seed 0) on A
+alternating-exp-ring at its tuned learning rate, warm-up and cosine schedule, ``--seed``) on A
 workers up to step ``--switch``, saves a checkpoint (``decent_optim.checkpoint``), then resumes
 it on B workers -- a new torchrun, as after a failure -- and trains to step 1200. The
 uninterrupted runs (A == B) go through the same script. Appends one JSON line per run with the
@@ -27,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 # the study's tuned run (lr x2 of All-Reduce's), as in experiments/convergence/results
-STEPS, SEED, GLOBAL_BATCH, LR, WARMUP = 1200, 0, 32, 0.012, 240
+STEPS, GLOBAL_BATCH, LR, WARMUP = 1200, 32, 0.012, 240
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -42,23 +42,24 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=train.PATIENCE)
     rank, world = dist.get_rank(), dist.get_world_size()
+    seed = args.seed
     task = train.charlm_task(study.PROTOCOLS["full"])
     spec = dict(
         task="charlm", workers=world, global_batch=GLOBAL_BATCH, method="adamw:aer",
         optimizer="adamw", topology="alternating-exp-ring", beta1=0.9, beta2=0.95, accum_iter=1,
-        global_avg_every=0, lr=LR, warmup=WARMUP, steps=args.steps, seed=SEED,
+        global_avg_every=0, lr=LR, warmup=WARMUP, steps=args.steps, seed=seed,
     )  # fmt: skip
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model, forward, opt = train.build(task, spec)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, train.warmup_cosine(args.steps, WARMUP))
-    gen = torch.Generator().manual_seed(1000 * SEED + rank)
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
     resumed = dopt.checkpoint.load(args.ckpt, model, opt, rule=args.rule)
     if resumed.step:
         sched.load_state_dict(resumed.extra["scheduler"])
         if resumed.source == "own":
             gen.set_state(resumed.extra["generator"])
         else:  # new batch streams: the old ones belong to other ranks
-            gen.manual_seed(1000 * SEED + rank + 7919 * resumed.step)
+            gen.manual_seed(1000 * seed + rank + 7919 * resumed.step)
     params = list(model.parameters())
     local_batch = GLOBAL_BATCH // world
     for _ in range(resumed.step + 1, args.until + 1):
@@ -86,11 +87,12 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def torchrun(workers: int, ckpt: str, until: int, rule: str, steps: int) -> str:
+def torchrun(workers: int, ckpt: str, until: int, rule: str, steps: int, seed: int) -> str:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", str(workers), __file__, "--worker", "--ckpt", ckpt,
         "--until", str(until), "--rule", rule, "--steps", str(steps),
+        "--seed", str(seed),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -106,11 +108,11 @@ def drive(args: argparse.Namespace) -> None:
         for rule in args.rules if before != after else ["consensus"]:
             start = time.time()
             with tempfile.TemporaryDirectory() as ckpt:
-                torchrun(before, ckpt, args.switch, rule, args.steps)
-                out = torchrun(after, ckpt, args.steps, rule, args.steps)
+                torchrun(before, ckpt, args.switch, rule, args.steps, args.seed)
+                out = torchrun(after, ckpt, args.steps, rule, args.steps, args.seed)
             val = json.loads(out.strip().splitlines()[-1])["val_loss"]
             row = {"before": before, "after": after, "switch": args.switch, "rule": rule,
-                   "steps": args.steps, "seed": SEED, "val_loss": val, "seconds": round(time.time() - start),
+                   "steps": args.steps, "seed": args.seed, "val_loss": val, "seconds": round(time.time() - start),
                    "load": os.getloadavg()[0]}  # fmt: skip
             print(json.dumps(row), flush=True)
             with open(args.out, "a") as f:
@@ -118,16 +120,34 @@ def drive(args: argparse.Namespace) -> None:
 
 
 def table(path: str) -> None:
+    """Mean over seeds; the gap is paired by seed with the uninterrupted run of the final size."""
+    import statistics
+
     rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
-    plain = {r["before"]: r["val_loss"] for r in rows if r["before"] == r["after"]}
-    print("| workers | rule | final val loss | vs uninterrupted at the final size |")
-    print("|---|---|---|---|")
+    plain = {(r["after"], r["seed"]): r["val_loss"] for r in rows if r["before"] == r["after"]}
+    groups: dict[tuple[int, int, str], list[dict]] = {}
     for r in rows:
-        ref = plain.get(r["after"])
-        gap = f"{100 * (r['val_loss'] / ref - 1):+.2f}%" if ref else "n/a"
-        name = f"{r['before']}" if r["before"] == r["after"] else f"{r['before']} -> {r['after']}"
         rule = "(uninterrupted)" if r["before"] == r["after"] else r["rule"]
-        print(f"| {name} | {rule} | {r['val_loss']:.4f} | {gap} |")
+        groups.setdefault((r["before"], r["after"], rule), []).append(r)
+
+    def spread(values: list[float], fmt: str) -> str:
+        std = f" ± {statistics.stdev(values):{fmt}}" if len(values) > 1 else ""
+        return f"{statistics.mean(values):{fmt}}{std}"
+
+    print("| workers | start of each new rank | final val loss | vs uninterrupted | seeds |")
+    print("|---|---|---|---|---|")
+    for (before, after, rule), runs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0])):
+        gaps = [
+            100 * (r["val_loss"] / plain[(after, r["seed"])] - 1)
+            for r in runs
+            if (after, r["seed"]) in plain
+        ]
+        name = f"{before}" if before == after else f"{before} -> {after}"
+        gap = spread(gaps, "+.2f") + "%" if gaps and before != after else "--"
+        seeds = ", ".join(str(r["seed"]) for r in runs)
+        print(
+            f"| {name} | {rule} | {spread([r['val_loss'] for r in runs], '.4f')} | {gap} | {seeds} |"
+        )
 
 
 def main() -> None:
@@ -137,6 +157,7 @@ def main() -> None:
     p.add_argument("--until", type=int, default=STEPS, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=STEPS, help="the run's length")
     p.add_argument("--rule", default="consensus")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", nargs="+", default=["8->8", "4->4", "8->4", "4->8"])
     p.add_argument("--rules", nargs="+", default=["consensus", "rank"])
     p.add_argument("--switch", type=int, default=600)
