@@ -228,7 +228,7 @@ def train(args, method: str, data: torch.Tensor, val_batches: list, vocab: int) 
     if isinstance(opt, dopt.DecentralizedOptimizer):
         opt.synchronize()  # mix in the gossip round still in flight
     if method == "decentralized" and args.checkpoint_dir:
-        dopt.checkpoint.wait(args.checkpoint_dir)  # the background save still writing
+        dopt.checkpoint.wait(args.checkpoint_dir)  # the save in flight (rank 0 commits it)
     hist.ms_per_iter = 1000 * (time.perf_counter() - start) / max(1, args.steps + 1 - first)
     bar.close()
     return hist

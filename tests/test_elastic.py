@@ -30,7 +30,7 @@ def test_killed_node_run_shrinks_then_grows_back_and_finishes(tmp_path):
     args = argparse.Namespace(
         workdir=tmp_path, steps=300, kill_at=35, rejoin_after=10, save_every=10, nodes=2,
         nproc_per_node=2, max_restarts=3, batch_size=8, last_call=5, host="127.0.0.1",
-        background=True, timeout=240.0,
+        background=True, timeout=240.0, role="local",
     )  # fmt: skip
     summary = scenario.run(args)
     assert summary["world_sizes"] == [4, 2, 4]

@@ -57,6 +57,7 @@ def _save_all(rank: int, world_size: int, root: str, steps: int, compression) ->
         opt = cls(model.parameters(), topology="ring", compression=compression, **kw)
         _train(model, opt, steps, rank)  # the last round is still in flight
         checkpoint.save(f"{root}/{index}", model, opt, step=steps, extra={"rank": rank})
+        checkpoint.wait(f"{root}/{index}")  # rank 0 commits once every rank's file is there
         del opt
         gc.collect()
 

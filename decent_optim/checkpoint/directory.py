@@ -99,19 +99,22 @@ def write_atomically(path: Path, write: Any) -> int:
     return size
 
 
-def wait_for_files(folder: Path, names: list[str], timeout: float) -> list[int]:
+def wait_for_files(
+    folder: Path, names: list[str], timeout: float, give_up: Any = lambda: False
+) -> list[int]:
     """Wait until every file of ``names`` is in ``folder``; returns their sizes.
 
-    Raises TimeoutError naming the missing ones after ``timeout`` seconds.
+    Raises TimeoutError naming the missing ones after ``timeout`` seconds, or as soon as
+    ``give_up()`` is true.
     """
     deadline = time.monotonic() + timeout
     while True:
         missing = [n for n in names if not (folder / n).is_file()]
         if not missing:
             return [(folder / n).stat().st_size for n in names]
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or give_up():
             raise TimeoutError(
-                f"the checkpoint in {folder} is not committed: after {timeout:.0f} s, "
+                f"the checkpoint in {folder} is not committed: "
                 f"{len(missing)} rank file(s) are still missing ({', '.join(missing[:4])}...). "
                 "Every rank must call decent_optim.checkpoint.save() at the same step, and all "
                 "ranks must write to one folder they all see (a shared filesystem)"

@@ -73,6 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.until < args.steps:
         extra = {"scheduler": sched.state_dict(), "generator": gen.get_state()}
         dopt.checkpoint.save(args.ckpt, model, opt, step=args.until, extra=extra)
+        dopt.checkpoint.wait(args.ckpt)
     else:
         with opt.averaged(model):
             val_loss, _ = train.evaluate(model, task)
