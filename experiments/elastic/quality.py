@@ -132,7 +132,7 @@ def table(path: str) -> None:
         groups.setdefault((r["before"], r["after"], rule), []).append(r)
 
     def spread(values: list[float], fmt: str) -> str:
-        std = f" ± {statistics.stdev(values):{fmt}}" if len(values) > 1 else ""
+        std = f" ± {statistics.stdev(values):{fmt.lstrip('+')}}" if len(values) > 1 else ""
         return f"{statistics.mean(values):{fmt}}{std}"
 
     print("| workers | start of each new rank | final val loss | vs uninterrupted | seeds |")
