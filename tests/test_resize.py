@@ -209,3 +209,30 @@ def test_refuses_another_optimizer_and_files_of_another_run(tmp_path):
             tmp_path / "a" / "1", model, dopt.DecentralizedAdam(model.parameters(), lr=0.01)
         )
     shutil.rmtree(tmp_path)
+
+
+def test_the_mean_holds_one_saved_copy_at_a_time(tmp_path):
+    """Loading never holds all N copies: a file's tensors are freed before the next is read."""
+    import weakref
+
+    from decent_optim.checkpoint import resize
+
+    alive: list[weakref.ref] = []
+    most = 0
+
+    def load(path):
+        nonlocal most
+        most = max(most, sum(ref() is not None for ref in alive))
+        k = int(path)
+        contents = {"w": torch.full((4,), float(k)), "step": torch.tensor(float(k)), "n": k}
+        alive.append(weakref.ref(contents["w"]))
+        return contents
+
+    merged = resize.merged([str(k) for k in range(6)], rank=0, load=load)
+    assert most == 0  # nothing of the previous file alive when the next is read
+    assert torch.equal(merged["w"], torch.full((4,), 2.5))  # the mean of 0..5
+    assert (
+        merged["step"].item() == 5.0 and merged["n"] == 0
+    )  # steps: the largest; the rest: rank 0's
+    with pytest.raises(ValueError, match="rule must be one of"):
+        resize.merged(["0"], rank=0, rule="newest", load=load)
