@@ -5,7 +5,7 @@ and launch with torchrun: every worker keeps its own model and averages it with 
 per step, while the next forward and backward run.
 """
 
-from decent_optim import topologies
+from decent_optim import checkpoint, topologies
 from decent_optim.optim.accum_adam import AccumAdam, AccumAdamW
 from decent_optim.optim.dadam import DecentralizedAdam, DecentralizedAdamW
 from decent_optim.optim.dsgd import DSGD
@@ -24,6 +24,7 @@ __all__ = [
     "DecentralizedOptimizer",
     "Topology",
     "__version__",
+    "checkpoint",
     "topologies",
     "unwrap",
 ]

@@ -11,9 +11,20 @@ workers' models) is evaluated on a held-out part of the text. ``--baseline allre
 same model on the same data with DistributedDataParallel + torch.optim.AdamW instead;
 ``--compare`` runs both, one after the other, and ``--plot PATH`` draws their loss curves. The
 training text comes from a small grammar built into this script, so the example needs no download.
+
+Surviving failures (``--checkpoint-dir DIR``): every worker calls ``decent_optim.checkpoint.load``
+at start -- nothing happens the first time -- and ``save`` every ``--save-every`` steps. When a
+worker dies, its neighbours raise ``GossipError``; an elastic torchrun restarts the workers with
+whatever nodes are left (or came back), and they continue from the newest complete checkpoint at
+the new world size::
+
+    torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
+        --rdzv-endpoint HOST:29400 --rdzv-id charlm examples/train_charlm.py \
+        --checkpoint-dir /shared/ckpt --save-every 20 --metrics /shared/metrics.jsonl
 """
 
 import argparse
+import json
 import os
 import random
 import time
@@ -157,12 +168,16 @@ def train(args, method: str, data: torch.Tensor, val_batches: list, vocab: int) 
             betas=(0.9, 0.95),
             weight_decay=0.1,
             topology=args.topology,
+            timeout=args.gossip_timeout,
         )
     else:
         name = "All-Reduce (DDP + AdamW)"
         forward = DistributedDataParallel(model) if world_size > 1 else model
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # own batches per rank
+    first = 1
+    if method == "decentralized" and args.checkpoint_dir:
+        first = 1 + resume(args, model, opt, gen, rank)
     hist = History(name)
     if rank == 0:
         print(
@@ -171,9 +186,16 @@ def train(args, method: str, data: torch.Tensor, val_batches: list, vocab: int) 
         )
 
     window: list[float] = []  # this rank's losses since the last report
-    bar = tqdm(total=args.steps, disable=rank != 0, desc=method, mininterval=0.5, leave=False)
+    bar = tqdm(
+        total=args.steps,
+        initial=first - 1,
+        disable=rank != 0,
+        desc=method,
+        mininterval=0.5,
+        leave=False,
+    )
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         x, y = get_batch(data, args.batch_size, gen)
         loss = F.cross_entropy(forward(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
@@ -181,12 +203,19 @@ def train(args, method: str, data: torch.Tensor, val_batches: list, vocab: int) 
         opt.step()
         window.append(loss.item())
         bar.update()
-        if step == 1 or step % args.log_every == 0 or step == args.steps:
+        if step == first or step % args.log_every == 0 or step == args.steps:
             (mean,) = sum_over_ranks([sum(window) / len(window)])
             hist.train_steps.append(step)
             hist.train_loss.append(mean / world_size)
             window = []
             bar.set_postfix(loss=f"{hist.train_loss[-1]:.3f}")
+            if args.metrics and rank == 0:
+                record(args.metrics, step=step, world_size=world_size, loss=hist.train_loss[-1])
+        if method == "decentralized" and args.checkpoint_dir and step % args.save_every == 0:
+            extra = {"generator": gen.get_state()}
+            dopt.checkpoint.save(
+                args.checkpoint_dir, model, opt, step=step, extra=extra, background=args.background
+            )
         if step % args.eval_every == 0 or step == args.steps:
             hist.eval_steps.append(step)
             hist.eval_loss.append(evaluate_consensus(model, eval_model, val_batches, world_size))
@@ -198,9 +227,40 @@ def train(args, method: str, data: torch.Tensor, val_batches: list, vocab: int) 
                 )
     if isinstance(opt, dopt.DecentralizedOptimizer):
         opt.synchronize()  # mix in the gossip round still in flight
-    hist.ms_per_iter = 1000 * (time.perf_counter() - start) / args.steps
+    if method == "decentralized" and args.checkpoint_dir:
+        dopt.checkpoint.wait(args.checkpoint_dir)  # the save in flight (rank 0 commits it)
+    hist.ms_per_iter = 1000 * (time.perf_counter() - start) / max(1, args.steps + 1 - first)
     bar.close()
     return hist
+
+
+def resume(args, model: nn.Module, opt, gen: torch.Generator, rank: int) -> int:
+    """Continue from the newest complete checkpoint, at this world size; returns its step (0: none).
+
+    With the world size it was saved with, each rank gets its own model, optimizer state and
+    batch generator back, and the run continues as if never stopped. With another one, every
+    rank starts from the mean of the saved models (``--resize-rule``), and draws new batches.
+    """
+    resumed = dopt.checkpoint.load(args.checkpoint_dir, model, opt, rule=args.resize_rule)
+    if resumed.source == "own":
+        gen.set_state(resumed.extra["generator"])
+    elif resumed.step:
+        gen.manual_seed(args.seed * 1000 + rank + 7919 * resumed.step)
+    if resumed.step and rank == 0:
+        print(
+            f"resumed from step {resumed.step} (saved by {resumed.saved_world_size} ranks, now "
+            f"{opt.world_size}; each rank starts from: {resumed.source})",
+            flush=True,
+        )
+    if args.metrics and rank == 0:
+        record(args.metrics, event="start", step=resumed.step, world_size=opt.world_size)
+    return resumed.step
+
+
+def record(path: str, **fields) -> None:
+    """Append one JSON line (rank 0): the loss curve across restarts, for plotting."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.time(), **fields}) + "\n")
 
 
 def plot(histories: list[History], path: str) -> None:
@@ -238,6 +298,14 @@ def main() -> None:
     )
     parser.add_argument("--compare", action="store_true", help="run decentralized, then baseline")
     parser.add_argument("--plot", metavar="PATH", help="write a loss-vs-step PNG (rank 0)")
+    parser.add_argument("--checkpoint-dir", help="save there and resume from there (shared)")
+    parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--background", action="store_true", help="save in a thread")
+    parser.add_argument("--resize-rule", default="consensus", choices=dopt.checkpoint.RULES)
+    parser.add_argument("--metrics", metavar="PATH", help="append the losses as JSON lines")
+    parser.add_argument(
+        "--gossip-timeout", type=float, default=60.0, help="seconds before a peer counts as dead"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # several workers may share a small CPU

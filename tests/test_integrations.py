@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 
 import pytest
 import torch
@@ -323,7 +324,7 @@ def test_accelerate_prepare_accumulate_save_and_load_state_per_rank(tmp_path, sa
 # -- Lightning -------------------------------------------------------------------------------------
 
 
-def _lightning_fit(out, epochs, ckpt_path=None):
+def _lightning_fit(out, epochs, ckpt_path=None, devices=2):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -356,7 +357,7 @@ def _lightning_fit(out, epochs, ckpt_path=None):
     torch.manual_seed(0)
     module = Regression()
     trainer = L.Trainer(
-        max_epochs=epochs, strategy=DecentralizedStrategy(), accelerator="cpu", devices=2,
+        max_epochs=epochs, strategy=DecentralizedStrategy(), accelerator="cpu", devices=devices,
         callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1)],
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=out,
@@ -503,3 +504,55 @@ def test_gossip_averager_needs_a_process_group_and_a_valid_period():
         GossipAverager(period=0)
     with pytest.raises(RuntimeError, match="init_process_group"):
         GossipAverager(period=1)
+
+
+def _save_rank_files(rank, world_size, out):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = dopt.DecentralizedAdamW(model.parameters(), lr=0.1, topology="ring")
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 3, generator=gen)).square().sum().backward()
+        opt.step()
+    common.save_models_and_optimizers(os.path.join(out, "x-"), [model], [opt])
+
+
+@pytest.mark.multiprocess
+def test_rank_files_of_two_ranks_resume_on_one_from_their_mean(tmp_path):
+    """The adapters' own checkpoints (HF Trainer, Accelerate) at another world size."""
+    run_world(_save_rank_files, 2, str(tmp_path))
+    saved = [torch.load(tmp_path / f"x-rank{r}-of-2.pt", weights_only=True) for r in range(2)]
+    model = nn.Linear(3, 2)
+    opt = dopt.DecentralizedAdamW(model.parameters(), lr=0.1)
+    common.load_models_and_optimizers(tmp_path / "x-", [model], [opt])
+    for key, value in model.state_dict().items():
+        mean = (saved[0]["models"][0][key].double() + saved[1]["models"][0][key].double()) / 2
+        torch.testing.assert_close(value.double(), mean, rtol=1e-6, atol=1e-7)
+    state = opt.state_dict()
+    assert state["decent_optim"]["step"] == 3 and state["decent_optim"]["world_size"] == 1
+    exp_avg = [s["optimizers"][0]["state"][0]["exp_avg"].double() for s in saved]
+    torch.testing.assert_close(state["state"][0]["exp_avg"].double(), sum(exp_avg) / 2)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()  # training goes on at the new size
+    shutil.copy(tmp_path / "x-rank1-of-2.pt", tmp_path / "x-rank0-of-2.pt")  # one rank's, twice
+    with pytest.raises(ValueError, match="holds the optimizer state of rank 1 of 2, not of rank 0"):
+        common.load_models_and_optimizers(tmp_path / "x-", [model], [opt])
+
+
+def _lightning_fit_at(rank, world_size, out, epochs, ckpt_path):
+    trainer, module = _lightning_fit(out, epochs, ckpt_path, devices=world_size)
+    opt = common.unwrap(trainer.optimizers[0])
+    return opt.state_dict()["decent_optim"], len(module.losses)
+
+
+@needs_lightning
+@pytest.mark.multiprocess
+def test_lightning_strategy_resumes_two_ranks_checkpoint_on_one(tmp_path):
+    run_world(_lightning_fit_at, 2, str(tmp_path), 1, None)
+    ckpt = str(tmp_path / "epoch=0-step=8.ckpt")
+    saved = [torch.load(f"{ckpt}.rank{r}-of-2.pt", weights_only=True) for r in range(2)]
+    ((entry, losses),) = run_world(_lightning_fit_at, 1, str(tmp_path / "one"), 2, ckpt)
+    # one more epoch on one rank (16 batches of the 64 samples), from the round counter saved
+    assert losses == 16 and entry["world_size"] == 1 and entry["step"] == 8 + 16
+    assert saved[0]["optimizer_states"][0]["decent_optim"]["step"] == 8

@@ -7,7 +7,12 @@ counters and rounds in flight that no longer belong to the weights, and the run 
 the uninterrupted trajectory. So each adapter also writes one file per rank, named by
 :func:`rank_path`, holding that rank's model and optimizer state, and reads it back on the same
 rank; the framework's own files keep what is the same on every rank (schedulers, trainer state)
-and the consensus model (:func:`consensus`), for export. Resume with the same world size.
+and the consensus model (:func:`consensus`), for export.
+
+Resuming at another world size: when this rank's file is not there but the complete set of
+another world size is, each rank starts from the mean of the saved copies
+(:mod:`decent_optim.checkpoint.resize`, read one file at a time), with the round counter kept
+(:func:`read_own_or_resized`).
 
 Nothing here imports a framework.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,8 @@ from typing import Any
 import torch
 
 from decent_optim import wrappers
+from decent_optim.checkpoint import resize
+from decent_optim.optim.checkpoint import KEY
 from decent_optim.optim.engine import DecentralizedOptimizer
 
 __all__ = [
@@ -32,6 +40,7 @@ __all__ = [
     "load_rank_file",
     "on_device",
     "rank_path",
+    "read_own_or_resized",
     "save_models_and_optimizers",
     "save_rank_file",
     "unwrap",
@@ -112,11 +121,67 @@ def load_rank_file(path: Path) -> dict[str, Any]:
         found = f"; the folder holds {', '.join(siblings)}" if siblings else ""
         raise FileNotFoundError(
             f"{path} not found: a decentralized checkpoint has one file per rank, and this rank's "
-            f"is missing{found}. Resume with the world size the checkpoint was saved with, and "
-            "let every rank save (the adapters do; a save on rank 0 only does not)"
+            f"is missing{found}, and no complete set of another world size is there to resume "
+            "from. Let every rank save (the adapters do; a save on rank 0 only does not)"
         )
     loaded: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
     return loaded
+
+
+def saved_set(prefix: Prefix) -> list[Path] | None:
+    """The files ``{prefix}rank{r}-of-{n}.pt`` of the one ``n`` whose ranks 0..n-1 are all
+    there, by rank; None when there is none. Two complete sets of different sizes raise."""
+    folder, name = Path(prefix).parent, Path(prefix).name
+    pattern = re.compile(re.escape(name) + r"rank(\d+)-of-(\d+)\.pt$")
+    by_size: dict[int, set[int]] = {}
+    for path in folder.glob(f"{glob_escape(name)}rank*-of-*.pt"):
+        match = pattern.fullmatch(path.name)
+        if match:
+            by_size.setdefault(int(match.group(2)), set()).add(int(match.group(1)))
+    complete = [n for n, ranks in by_size.items() if ranks == set(range(n))]
+    if len(complete) > 1:
+        raise ValueError(
+            f"{folder} holds complete checkpoints of {sorted(complete)} ranks under "
+            f"{name!r}: remove the ones that do not belong to this checkpoint"
+        )
+    return [rank_path(prefix, r, complete[0]) for r in range(complete[0])] if complete else None
+
+
+def glob_escape(text: str) -> str:
+    return re.sub(r"([*?[])", r"[\1]", text)
+
+
+def read_own_or_resized(prefix: Prefix, rank: int, world_size: int) -> tuple[dict[str, Any], bool]:
+    """This rank's file, or (when only another world size's files are there) what this rank
+    starts from by the ``"consensus"`` rule, with the optimizer states made loadable; returns
+    it and whether it was resized."""
+    own = rank_path(prefix, rank, world_size)
+    paths = None if own.is_file() else saved_set(prefix)
+    if paths is None:
+        return load_rank_file(own), False
+    files = paths
+
+    def check(old_rank: int, contents: Any) -> None:
+        for state in _optimizer_states(contents):
+            entry = state.get(KEY, {})
+            if (entry.get("rank", old_rank), entry.get("world_size", len(files))) != (
+                old_rank,
+                len(files),
+            ):
+                raise ValueError(
+                    f"{files[old_rank]} holds the optimizer state of rank {entry.get('rank')} of "
+                    f"{entry.get('world_size')}, not of rank {old_rank} of {len(files)}: the "
+                    "files were renamed or mixed"
+                )
+
+    return resize.retarget(resize.merged(paths, rank, check=check)), True
+
+
+def _optimizer_states(contents: Any) -> list[dict[str, Any]]:
+    if not isinstance(contents, dict):
+        return []
+    states = contents.get("optimizers", contents.get("optimizer_states"))
+    return [s for s in states if isinstance(s, dict)] if isinstance(states, list) else []
 
 
 def save_models_and_optimizers(prefix: Prefix, models: Modules, optimizers: Optimizers) -> Path:
@@ -132,7 +197,7 @@ def save_models_and_optimizers(prefix: Prefix, models: Modules, optimizers: Opti
 
 def load_models_and_optimizers(prefix: Prefix, models: Modules, optimizers: Optimizers) -> None:
     """Load what :func:`save_models_and_optimizers` wrote for this rank, in place."""
-    payload = load_rank_file(rank_path(prefix, optimizers[0].rank, optimizers[0].world_size))
+    payload, _ = read_own_or_resized(prefix, optimizers[0].rank, optimizers[0].world_size)
     saved = (len(payload["models"]), len(payload["optimizers"]))
     if saved != (len(models), len(optimizers)):
         raise ValueError(

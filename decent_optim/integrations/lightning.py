@@ -8,7 +8,9 @@ distributed samplers) and changes only that:
 
 * the LightningModule is not wrapped in ``DistributedDataParallel``;
 * every checkpoint ``X.ckpt`` gets one ``X.ckpt.rank{r}-of-{n}.pt`` per rank with that rank's
-  model and optimizer states, which ``fit(ckpt_path=X.ckpt)`` restores on every rank; ``X.ckpt``
+  model and optimizer states, which ``fit(ckpt_path=X.ckpt)`` restores on every rank (at
+  another world size, each rank starts from the mean of the saved ones:
+  :func:`~decent_optim.integrations.common.read_own_or_resized`); ``X.ckpt``
   itself holds the consensus model (the mean over the ranks), so
   ``Module.load_from_checkpoint(X.ckpt)`` gives the model to deploy;
 * validation, test and prediction during or after ``fit`` run on the consensus model
@@ -29,8 +31,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from decent_optim.integrations.common import (
     consensus,
     decentralized,
-    load_rank_file,
     rank_path,
+    read_own_or_resized,
     save_rank_file,
 )
 from decent_optim.optim.checkpoint import KEY
@@ -141,8 +143,15 @@ class DecentralizedStrategy(DDPStrategy):
         """Lightning's checkpoint, with this rank's own model and optimizer states in it."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         states = checkpoint.get("optimizer_states", [])
-        if self.world_size > 1 and any(KEY in s for s in states if isinstance(s, dict)):
-            checkpoint.update(load_rank_file(self._own_file(checkpoint_path)))
+        if any(KEY in s for s in states if isinstance(s, dict)):
+            prefix = f"{os.fspath(checkpoint_path)}."  # as in _own_file
+            try:  # this rank's file, or the mean of another world size's (resize)
+                own, _ = read_own_or_resized(prefix, self.global_rank, self.world_size)
+            except FileNotFoundError:
+                if self.world_size > 1:
+                    raise
+                own = {}  # one rank: the checkpoint's own states are this rank's
+            checkpoint.update(own)
         return checkpoint
 
     def remove_checkpoint(self, filepath: Any) -> None:

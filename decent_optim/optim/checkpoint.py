@@ -23,19 +23,48 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import Tensor
 from torch.optim import Optimizer
 
+from decent_optim.flat import FlatParams
 from decent_optim.optim.agreement import Account, agree
-from decent_optim.optim.startup import fingerprint, topology_key
-from decent_optim.optim.state import _step_count  # the one rule for a valid step count
+from decent_optim.optim.rounds import Rounds
+from decent_optim.optim.startup import Stash, fingerprint, topology_key
+from decent_optim.optim.state import (
+    FlatState,
+    _step_count,  # the one rule for a valid step count
+)
+from decent_optim.rules.base import UpdateRule
+from decent_optim.topologies import Topology
 
-if TYPE_CHECKING:
-    from decent_optim.optim.engine import DecentralizedOptimizer
 
-__all__ = ["KEY", "Resume", "agree_to_load", "load", "save"]
+class Checkpointed(Protocol):
+    """What this module reads of the optimizer: the engine's parts, named here instead of
+    importing the engine (which imports this module)."""
+
+    param_groups: list[dict[str, Any]]
+    defaults: dict[str, Any]
+    state: Any
+    topology: Topology
+    _rounds: Rounds
+    _flat: FlatParams
+    _flat_state: FlatState
+    _stash: Stash | None
+    _where: tuple[Any, Any]
+
+    @property
+    def rule(self) -> UpdateRule: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+
+__all__ = ["KEY", "Checkpointed", "Resume", "agree_to_load", "load", "save"]
 
 KEY = "decent_optim"
 
@@ -46,8 +75,9 @@ _HINTS = {
 }
 
 
-def save(optimizer: DecentralizedOptimizer) -> dict[str, Any]:
+def save(optimizer: Checkpointed) -> dict[str, Any]:
     """``optimizer``'s torch.optim state dict, with plain dicts as state, plus the entry."""
+    assert isinstance(optimizer, Optimizer)
     packed = Optimizer.state_dict(optimizer)
     packed["state"] = {k: dict(v) for k, v in packed["state"].items()}
     rounds = optimizer._rounds
@@ -62,8 +92,9 @@ def save(optimizer: DecentralizedOptimizer) -> dict[str, Any]:
     return packed
 
 
-def load(optimizer: DecentralizedOptimizer, state_dict: dict[str, Any]) -> None:
+def load(optimizer: Checkpointed, state_dict: dict[str, Any]) -> None:
     """``optimizer.load_state_dict``: check (:func:`agree_to_load`), then load, then resume."""
+    assert isinstance(optimizer, Optimizer)
     optimizer._rounds.check_free("load_state_dict()")
     state_dict = dict(state_dict)
     extra = state_dict.pop(KEY, None)
@@ -91,7 +122,7 @@ class Resume:
 
 
 def agree_to_load(
-    optimizer: DecentralizedOptimizer,
+    optimizer: Checkpointed,
     state_dict: dict[str, Any],
     extra: Any,
     group: Any,
@@ -144,7 +175,7 @@ def _read(extra: Any, state_dict: dict[str, Any]) -> Resume:
     return Resume(int(count), pending, params if isinstance(params, list) else None)
 
 
-def _check_owner(optimizer: DecentralizedOptimizer, extra: Any) -> None:
+def _check_owner(optimizer: Checkpointed, extra: Any) -> None:
     """Raise if the checkpoint was saved by another world size, rank or topology."""
     if extra is None:
         return
@@ -173,7 +204,7 @@ def _check_owner(optimizer: DecentralizedOptimizer, extra: Any) -> None:
         )
 
 
-def _check_structure(optimizer: DecentralizedOptimizer, state_dict: dict[str, Any]) -> None:
+def _check_structure(optimizer: Checkpointed, state_dict: dict[str, Any]) -> None:
     """torch.optim's checks of the groups, and every state tensor's shape and step count."""
     if not isinstance(state_dict.get("state"), dict) or "param_groups" not in state_dict:
         raise ValueError(

@@ -1,0 +1,42 @@
+"""Elastic restarts for real: two torchrun agents on localhost, one killed and brought back.
+
+``experiments/elastic/scenario.py`` runs ``examples/train_charlm.py`` under two elastic torchrun
+agents (``--nnodes 1:2 --max-restarts 3 --rdzv-backend c10d``, plain processes on 127.0.0.1,
+no network namespaces), kills the second agent's whole process tree (SIGKILL) at step 35, lets
+the first continue as a world of 2 from the newest checkpoint, then starts the second again and
+the run finishes at 4. About a minute and a half on two idle cores: torchrun's restarts wait for
+the rendezvous (keep-alive and last-call timeouts) and every restart imports torch again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCENARIO = Path(__file__).resolve().parent.parent / "experiments" / "elastic" / "scenario.py"
+
+
+@pytest.mark.multiprocess
+def test_killed_node_run_shrinks_then_grows_back_and_finishes(tmp_path):
+    spec = importlib.util.spec_from_file_location("elastic_scenario", SCENARIO)
+    assert spec is not None and spec.loader is not None
+    scenario = importlib.util.module_from_spec(spec)
+    sys.modules["elastic_scenario"] = scenario
+    spec.loader.exec_module(scenario)
+    args = argparse.Namespace(
+        workdir=tmp_path, steps=300, kill_at=35, rejoin_after=10, save_every=10, nodes=2,
+        nproc_per_node=2, max_restarts=3, batch_size=8, last_call=5, host="127.0.0.1",
+        background=True, timeout=240.0, role="local",
+    )  # fmt: skip
+    summary = scenario.run(args)
+    assert summary["world_sizes"] == [4, 2, 4]
+    assert summary["exit_codes"] == [0, 0]
+    assert summary["final_step"] == 300
+    # resumed from the newest complete checkpoint: at most one save interval redone
+    assert 0 <= summary["steps_lost_at_kill"] < args.save_every + 1
+    assert 0 <= summary["steps_lost_at_rejoin"] < args.save_every + 1
+    assert summary["resumed_from_step"] % args.save_every == 0
