@@ -46,6 +46,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from decent_optim import sharded
+
 __all__ = ["Bucket", "FlatParams", "alias_of", "check_disjoint", "check_flattenable"]
 
 
@@ -57,20 +59,31 @@ class Bucket:
         self.group_index = group_index
         first = self.params[0]
         self.device, self.dtype = first.device, first.dtype
+        #: what the bucket holds of each parameter: the parameter, or a DTensor's local shard
+        self.layout = [sharded.local(p) for p in self.params]
         self.offsets: list[int] = []
         total = 0
-        for p in self.params:
+        for p in self.layout:
             self.offsets.append(total)
             total += p.numel()
         self.numel = total
         self.data = torch.empty(total, dtype=self.dtype, device=self.device)
         #: what each parameter's ``.data`` is: its stretch of :attr:`data`, with a storage of its own
-        self.aliases = [alias_of(self.data, p, off) for p, off in zip(self.params, self.offsets)]
-        for p, alias in zip(self.params, self.aliases):
-            alias.copy_(p.detach())
-            p.data = alias
+        self.aliases = [alias_of(self.data, p, off) for p, off in zip(self.layout, self.offsets)]
+        for like, alias in zip(self.layout, self.aliases):
+            alias.copy_(like.detach())
+        #: sharded parameters keep their own storage, kept equal to the bucket (see sharded)
+        self.mirror = (
+            sharded.Mirror(self.params, self.aliases) if first is not self.layout[0] else None
+        )
+        #: the tensors an update steps in place: the parameters, or the aliases of local shards
+        self.targets = self.params if self.mirror is None else self.aliases
+        if self.mirror is None:
+            for p, alias in zip(self.params, self.aliases):
+                p.data = alias
         self._ptrs = [a.data_ptr() for a in self.aliases]
         self._state: dict[str, tuple[Tensor, list[Tensor]]] = {}
+        self._shown: dict[str, tuple[list[Tensor], list[Tensor]]] = {}
 
     @staticmethod
     def view_of(flat: Tensor, like: Tensor, offset: int) -> Tensor:
@@ -79,11 +92,31 @@ class Bucket:
 
     def views(self, flat: Tensor) -> list[Tensor]:
         """Per-parameter views into ``flat``, a buffer laid out like :attr:`data`."""
-        return [self.view_of(flat, p, off) for p, off in zip(self.params, self.offsets)]
+        return [self.view_of(flat, p, off) for p, off in zip(self.layout, self.offsets)]
 
     def segments(self, flat: Tensor) -> list[Tensor]:
         """Per-parameter one-dimensional slices of ``flat``, in memory order."""
-        return [flat[off : off + p.numel()] for p, off in zip(self.params, self.offsets)]
+        return [flat[off : off + p.numel()] for p, off in zip(self.layout, self.offsets)]
+
+    def grads(self) -> list[Tensor | None]:
+        """Each parameter's gradient, as the bucket holds it (a DTensor's local shard)."""
+        if self.mirror is None:
+            return [p.grad for p in self.params]
+        return [None if p.grad is None else sharded.local(p.grad) for p in self.params]
+
+    def shown(self, key: str) -> list[Tensor]:
+        """State buffer ``key``'s per-parameter tensors as ``opt.state`` holds them (DTensors
+        over the views for sharded parameters)."""
+        views = self.state(key)[1]
+        if self.mirror is None:
+            return views
+        cached = self._shown.get(key)
+        if cached is None or cached[0] is not views:
+            cached = self._shown[key] = (
+                views,
+                [sharded.shown(v, p) for v, p in zip(views, self.params)],
+            )
+        return cached[1]
 
     def state(self, key: str) -> tuple[Tensor, list[Tensor]]:
         """State buffer ``key``: one flat tensor like :attr:`data` (zeros at first), and its views."""
@@ -106,6 +139,8 @@ class Bucket:
 
     def moved(self) -> bool:
         """Whether some parameter's ``.data`` is no longer its alias of this bucket."""
+        if self.mirror is not None:
+            return self.mirror.moved()
         # every step: one comparison of lists, no Python work per parameter
         return [p.data_ptr() for p in self.params] != self._ptrs
 
@@ -116,6 +151,9 @@ class Bucket:
         another shape, dtype or device: its stretch of the bucket cannot hold it (``owner``, the
         optimizer's name, is for the message).
         """
+        if self.mirror is not None:
+            self.mirror.readopt(owner)
+            return
         moved = [k for k, p in enumerate(self.params) if p.data_ptr() != self._ptrs[k]]
         for k in moved:
             _check_readoptable(self.params[k], self.aliases[k], owner)
@@ -142,11 +180,11 @@ class FlatParams:
         cap = int(bucket_cap_mb * 2**20)
         self.buckets: list[Bucket] = []
         for gi, params in enumerate(groups):
-            open_: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], int]] = {}
+            open_: dict[tuple[torch.device, torch.dtype, bool], tuple[list[Tensor], int]] = {}
             for p in params:
-                key = (p.device, p.dtype)
+                key = (p.device, p.dtype, sharded.is_sharded(p))
                 members, size = open_.get(key, ([], 0))
-                nbytes = p.numel() * p.element_size()
+                nbytes = sharded.local(p).numel() * p.element_size()
                 if members and size + nbytes > cap:
                     self.buckets.append(Bucket(members, gi))
                     members, size = [], 0
@@ -156,6 +194,12 @@ class FlatParams:
     @property
     def buffers(self) -> list[Tensor]:
         return [b.data for b in self.buckets]
+
+    def publish(self) -> None:
+        """Copy the buckets into the storage of sharded parameters (after the buckets changed)."""
+        for b in self.buckets:
+            if b.mirror is not None:
+                b.mirror.publish()
 
     def moved(self) -> bool:
         """Whether some parameter stopped aliasing its bucket (``.to()``, ``p.data = ...``)."""
@@ -209,7 +253,7 @@ def check_disjoint(params: Sequence[Tensor], names: Sequence[str | None] = ()) -
     """
     spans = sorted(
         (str(p.device), p.data_ptr(), p.data_ptr() + int(p.numel()) * p.element_size(), k)
-        for k, p in enumerate(params)
+        for k, p in enumerate(map(sharded.local, params))
         if p.numel() and p.data_ptr()  # (meta tensors have no memory: address 0)
     )
     reach: tuple[str, int, int] = ("", 0, -1)  # device, end and index of the span reaching furthest

@@ -79,6 +79,7 @@ def load(optimizer: DecentralizedOptimizer, state_dict: dict[str, Any]) -> None:
     stash, optimizer._stash = optimizer._stash, None
     if stash is not None:  # the model was loaded before the optimizer was built
         stash.restore(optimizer._flat.buffers, resume.params)
+    optimizer._flat.publish()  # sharded parameters see what the buckets hold
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -20,9 +20,14 @@ __all__ = ["averaged", "distance"]
 
 @contextlib.contextmanager
 def averaged(
-    rounds: Rounds, buffers: list[Tensor], module: torch.nn.Module | None
+    rounds: Rounds,
+    buffers: list[Tensor],
+    module: torch.nn.Module | None,
+    publish: Callable[[], None] = lambda: None,
 ) -> Iterator[None]:
-    """Replace ``buffers`` (and ``module``'s float buffers) by their mean; restore them on exit."""
+    """Replace ``buffers`` (and ``module``'s float buffers) by their mean; restore them on exit.
+
+    ``publish`` copies the buffers where the model reads them (sharded parameters)."""
     rounds.check_free("opt.averaged()")
     rounds.wait()
     tensors = list(buffers)
@@ -33,12 +38,14 @@ def averaged(
     try:
         with torch.no_grad():
             rounds.gossip.average_([t.detach() for t in tensors])
+        publish()
         yield
     finally:
         rounds.held_by = None
         with torch.no_grad():
             for t, saved in zip(tensors, backup):
                 t.copy_(saved)
+        publish()
         rounds.record_versions()  # what the block wrote is undone: nothing raced
 
 

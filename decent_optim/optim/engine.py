@@ -216,6 +216,7 @@ class DecentralizedOptimizer(Optimizer):
             if batch is not None:
                 self.rule.update(batch, group, mix=mix, amp=amp)
                 self._flat_state.updated(index, batch, amp.active)
+        self._flat.publish()  # sharded parameters: what FSDP2 all-gathers next
         # launch even when no parameter had a gradient: the neighbours wait on this round
         self._rounds.launch()
         return loss
@@ -230,6 +231,7 @@ class DecentralizedOptimizer(Optimizer):
         """
         self._readopt()
         self._rounds.synchronize()
+        self._flat.publish()
 
     def averaged(
         self, module: torch.nn.Module | None = None
@@ -248,7 +250,7 @@ class DecentralizedOptimizer(Optimizer):
             ...     val_loss = evaluate(model)
         """
         self._readopt()
-        return consensus.averaged(self._rounds, self._flat.buffers, module)
+        return consensus.averaged(self._rounds, self._flat.buffers, module, self._flat.publish)
 
     def consensus_distance(self) -> float:
         r"""This rank's distance to the mean parameters, :math:`\lVert x_i - \bar x \rVert_2`.

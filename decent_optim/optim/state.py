@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from decent_optim import sharded
 from decent_optim.flat import Bucket
 from decent_optim.gossip.handle import NO_MIX, PendingMix
 from decent_optim.optim.watched import ParamState, StateDict
@@ -81,9 +82,9 @@ class FlatState:
     def _adopt(self, bucket: Bucket, k: int, entry: dict[str, Any], keys: tuple[str, ...]) -> None:
         p = bucket.params[k]
         for key in keys:
-            view = bucket.state(key)[1][k]
+            view, public = bucket.state(key)[1][k], bucket.shown(key)[k]
             value = entry.get(key)
-            if value is view:
+            if value is public:
                 continue
             if value is None:
                 view.zero_()  # e.g. max_exp_avg_sq once amsgrad is switched on
@@ -94,8 +95,8 @@ class FlatState:
                     f"tensor of that shape, got {got}"
                 )
             else:
-                view.copy_(value)
-            dict.__setitem__(entry, key, view)
+                view.copy_(sharded.local(value))
+            dict.__setitem__(entry, key, public)
         if self.rule.counts_steps:
             view = bucket.steps()[1][k]
             value = entry.get("step")
@@ -122,9 +123,8 @@ class FlatState:
                         entry = ParamState(self.notify)
                         dict.__setitem__(state, bucket.params[k], entry)
                     for key in keys:
-                        view = bucket.state(key)[1][k]
-                        view.zero_()
-                        dict.__setitem__(entry, key, view)
+                        bucket.state(key)[1][k].zero_()
+                        dict.__setitem__(entry, key, bucket.shown(key)[k])
                     if self.rule.counts_steps:
                         view = bucket.steps()[1][k]
                         view.zero_()
@@ -163,7 +163,7 @@ class FlatState:
             views = {key: bucket.state(key)[1] for key in keys}
             return Batch(
                 bucket=bucket,
-                params=[bucket.params[k] for k in with_grad],
+                params=[bucket.targets[k] for k in with_grad],
                 grads=[grads[k] for k in with_grad],  # type: ignore[misc]
                 state={key: [v[k] for k in with_grad] for key, v in views.items()},
                 steps=[step_views[k] for k in with_grad] if counted else [],
@@ -201,7 +201,7 @@ class FlatState:
             ), mix
         return Batch(
             bucket=bucket,
-            params=list(bucket.params),
+            params=list(bucket.targets),
             grads=present,
             state={key: list(bucket.state(key)[1]) for key in keys},
             steps=list(step_views),
