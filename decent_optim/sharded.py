@@ -98,9 +98,8 @@ def check_params(params: Sequence[Tensor], gossip_ranks: list[int] | None, me: i
         me: this process's global rank.
     """
     for p in params:
-        if getattr(p, "_is_flat_param", False) or getattr(
-            getattr(p.data, "_base", None), "_is_flat_param", False
-        ):
+        # FSDP1 marks its flat parameters, and with use_orig_params=True the views of them
+        if getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False):
             raise TypeError(
                 "the model is wrapped in FSDP1 (FullyShardedDataParallel), which is not "
                 "supported: every rank holds a different flat shard, and gossip would average "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from _harness import run_world
 
 import decent_optim
@@ -114,3 +115,95 @@ def test_int8_compression_within_its_bound():
     # the sharded run quantises slices of 1024 values of its own buckets, the unsharded one
     # of its buckets: not the same bits, but each within the int8 codec's error of the truth
     _compare(2, 2, "DSGD", "ring", options=dict(compression="int8", local_world_size=1), tol=5e-3)
+
+
+def _padding(model: torch.nn.Module) -> list[float]:
+    """Largest magnitude in FSDP2's padding of every local shard (beyond its own elements)."""
+    out = []
+    for p in model.parameters():
+        shard = sharded.local(p)
+        whole = torch.empty(0, dtype=shard.dtype).set_(shard.untyped_storage())
+        out.append(float(whole[shard.numel() :].abs().max()) if whole.numel() > shard.numel() else 0.0)
+    return out
+
+
+def _start_and_padding(rank, world):
+    torch.manual_seed(rank)  # every rank starts from other values: the broadcast must fix them
+    model = _model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(rank)
+    mesh = _shard(model, 2, 2)
+    opt = decent_optim.DecentralizedAdamW(
+        model.parameters(), lr=0.1, process_group=mesh["replicate"]
+    )
+    start = _full(model)
+    shards = [tuple(sharded.local(p).shape) for p in model.parameters()]
+    for step in range(3):
+        x, y = _batch(rank // 2, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return start, shards, _padding(model), opt.topology.local_world_size
+
+
+def test_replicas_start_equal_and_padding_stays_zero():
+    results = run_world(_start_and_padding, 4)
+    for start, shards, padding, lws in results:
+        for a, b in zip(start, results[0][0]):
+            assert torch.equal(a, b)
+        assert max(padding) == 0.0
+        assert lws == 2  # LOCAL_WORLD_SIZE=4 ranks on one node hold 2 replicas
+    assert (0, 3) in [s for r in results for s in r[1]], "some rank should hold a 0-row shard"
+
+
+def _refusal(rank, world, case):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    kwargs = {"process_group": mesh["replicate"]}
+    if case == "2-D mesh":
+        fully_shard(model, mesh=mesh)
+    elif case == "mixed":
+        fully_shard(model[0], mesh=mesh["shard"])
+    elif case == "shard index":
+        # ranks (replica 0, shard 0) with (replica 1, shard 1): different slices
+        groups = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+        fully_shard(model, mesh=mesh["shard"])
+        kwargs = {"process_group": groups[0] if rank in (0, 3) else groups[1]}
+    elif case == "overlap":
+        fully_shard(model, mesh=mesh["shard"])
+        kwargs = {}  # the world group: it holds the shard group
+    elif case.startswith("fsdp1"):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(
+            model,
+            process_group=mesh["shard"].get_group(),
+            device_id=torch.device("cpu"),
+            use_orig_params=case.endswith("orig"),
+        )
+    try:
+        decent_optim.DecentralizedAdamW(model.parameters(), **kwargs)
+    except Exception as err:
+        return type(err).__name__, str(err)
+    return None
+
+
+@pytest.mark.parametrize(
+    "case,words",
+    [
+        ("2-D mesh", 'mesh["shard"]'),
+        ("mixed", "plain tensors"),
+        ("shard index", "shard index"),
+        ("overlap", "overlaps the mesh"),
+        ("fsdp1", "FSDP2"),
+        ("fsdp1 orig", "FSDP2"),
+    ],
+)
+def test_refusals_reach_every_rank(case, words):
+    results = run_world(_refusal, 4, case)
+    assert all(r is not None for r in results), results
+    assert all(words in r[1] for r in results), results[0]
