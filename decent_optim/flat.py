@@ -112,10 +112,13 @@ class Bucket:
             return views
         cached = self._shown.get(key)
         if cached is None or cached[0] is not views:
-            cached = self._shown[key] = (
-                views,
-                [sharded.shown(v, p) for v, p in zip(views, self.params)],
-            )
+            # over aliases: a DTensor over a view with a storage offset does not pickle
+            flat = self.state(key)[0]
+            shown = [
+                sharded.shown(alias_of(flat, like, off), p)
+                for like, off, p in zip(self.layout, self.offsets, self.params)
+            ]
+            cached = self._shown[key] = (views, shown)
         return cached[1]
 
     def state(self, key: str) -> tuple[Tensor, list[Tensor]]:
@@ -200,6 +203,12 @@ class FlatParams:
         for b in self.buckets:
             if b.mirror is not None:
                 b.mirror.publish()
+
+    def readopt_mirrors(self, owner: str) -> None:
+        """Copy the storage of sharded parameters written since the last publish into the buckets."""
+        for b in self.buckets:
+            if b.mirror is not None and b.mirror.moved():
+                b.mirror.readopt(owner)
 
     def moved(self) -> bool:
         """Whether some parameter stopped aliasing its bucket (``.to()``, ``p.data = ...``)."""

@@ -166,14 +166,8 @@ def shown(view: Tensor, p: Tensor) -> Tensor:
     """``view`` (a local state tensor) as ``opt.state`` shows it: a DTensor laid out like ``p``."""
     if not is_sharded(p):
         return view
-    return type(p).from_local(  # type: ignore[attr-defined, no-any-return]
-        view,
-        p.device_mesh,  # type: ignore[attr-defined]
-        p.placements,  # type: ignore[attr-defined]
-        run_check=False,
-        shape=p.shape,
-        stride=p.stride(),
-    )
+    # as FSDP2 makes its parameters: from_local's autograd view would not pickle (torch.save)
+    return type(p)(view, p._spec, requires_grad=False)  # type: ignore[attr-defined, call-arg, no-any-return]
 
 
 class Mirror:
@@ -186,11 +180,16 @@ class Mirror:
 
     def __init__(self, params: Sequence[Tensor], aliases: Sequence[Tensor]) -> None:
         self.params, self.aliases = list(params), list(aliases)
-        self._seen: list[tuple[int, int, int]] = []
+        self._seen: list[tuple[int, int, int, int]] = []
         self.publish()
 
-    def _marks(self) -> list[tuple[int, int, int]]:
-        return [(id(t), t.data_ptr(), t._version) for t in map(local, self.params)]
+    def _marks(self) -> list[tuple[int, int, int, int]]:
+        # a write through the DTensor (load_state_dict, p.copy_) bumps the version of the
+        # DTensor only, not of its local tensor (written below autograd); a direct write to
+        # the local tensor, the other way round; FSDP2 may also swap the local tensor
+        return [
+            (id(local(p)), local(p).data_ptr(), local(p)._version, p._version) for p in self.params
+        ]
 
     @torch.no_grad()
     def publish(self) -> None:

@@ -123,7 +123,9 @@ def _padding(model: torch.nn.Module) -> list[float]:
     for p in model.parameters():
         shard = sharded.local(p)
         whole = torch.empty(0, dtype=shard.dtype).set_(shard.untyped_storage())
-        out.append(float(whole[shard.numel() :].abs().max()) if whole.numel() > shard.numel() else 0.0)
+        out.append(
+            float(whole[shard.numel() :].abs().max()) if whole.numel() > shard.numel() else 0.0
+        )
     return out
 
 
@@ -149,7 +151,7 @@ def _start_and_padding(rank, world):
 
 def test_replicas_start_equal_and_padding_stays_zero():
     results = run_world(_start_and_padding, 4)
-    for start, shards, padding, lws in results:
+    for start, _, padding, lws in results:
         for a, b in zip(start, results[0][0]):
             assert torch.equal(a, b)
         assert max(padding) == 0.0
@@ -207,3 +209,70 @@ def test_refusals_reach_every_rank(case, words):
     results = run_world(_refusal, 4, case)
     assert all(r is not None for r in results), results
     assert all(words in r[1] for r in results), results[0]
+
+
+def _build(replicas: int = 2, shards: int = 2):
+    model = _model()
+    mesh = _shard(model, replicas, shards)
+    opt = decent_optim.DecentralizedAdamW(
+        model.parameters(), lr=1e-2, process_group=mesh["replicate"]
+    )
+    return model, opt, mesh
+
+
+def _steps(model, opt, replica: int, first: int, count: int) -> None:
+    for step in range(first, first + count):
+        x, y = _batch(replica, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _checkpoint(rank, world, how, path, phase):
+    """``phase`` "save": 3 steps, save, 3 more; "resume": load, the same 3 more."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt, mesh = _build()
+    replica = rank // 2
+    shard_group = mesh["shard"].get_group()
+    if phase == "save":
+        _steps(model, opt, replica, 0, 3)
+        if how == "torch.save":
+            torch.save(
+                {"model": model.state_dict(), "opt": opt.state_dict()}, f"{path}/rank{rank}.pt"
+            )
+        else:  # one checkpoint per replica, written by the ranks of that replica
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            dcp.save(state, checkpoint_id=f"{path}/replica{replica}", process_group=shard_group)
+    else:
+        if how == "torch.save":
+            saved = torch.load(f"{path}/rank{rank}.pt", weights_only=False)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+        else:
+            before = _full(model)
+            msd, osd = get_state_dict(model, opt)
+            # a fresh optimizer: DCP would call step() on it if its state were empty
+            assert opt._rounds.count == 0 and not opt._rounds.in_flight
+            assert all(torch.equal(a, b) for a, b in zip(before, _full(model)))
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=f"{path}/replica{replica}", process_group=shard_group)
+            set_state_dict(
+                model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+            assert opt._rounds.count == 3
+    _steps(model, opt, replica, 3, 3)
+    return _full(model)
+
+
+@pytest.mark.parametrize("how", ["torch.save", "dcp"])
+def test_resume_is_bit_exact(how, tmp_path):
+    from _harness import run_world_fresh
+
+    straight = run_world(_checkpoint, 4, how, str(tmp_path), "save")
+    # a new set of processes: nothing survives but the files (as after a kill)
+    resumed = run_world_fresh(_checkpoint, 4, how, str(tmp_path), "resume")
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -162,6 +162,7 @@ class DecentralizedOptimizer(Optimizer):
         self._rounds = Rounds(start.gossip, start.flat, global_avg_every)
         self._flat_state = FlatState(start.flat.buckets, self.rule)
         self.state = self._flat_state.wrap(self.state)
+        self._flat_state.prefill(self.state, self.param_groups)  # sharded only: see there
         self._group_params = [list(g["params"]) for g in self.param_groups]
         self._averaged = AveragedCheck()
 

@@ -133,6 +133,27 @@ class FlatState:
             self._counts[index].uniform = None
         return fresh
 
+    def prefill(self, state: dict[Any, Any], groups: list[dict[str, Any]]) -> None:
+        """Give every parameter of a sharded bucket its state now, zeros, still fresh.
+
+        ``torch.distributed.checkpoint`` calls ``step()`` on an optimizer whose ``state`` is
+        empty, to create the state it saves or loads into; here that step would launch a
+        gossip round. The entries made here hold zeros (what the first update starts from) and
+        are not *bound*, so the first update still treats them as new.
+        """
+        for bucket in self.buckets:
+            if bucket.mirror is None:
+                continue
+            keys = self.rule.keys(groups[bucket.group_index])
+            for k, p in enumerate(bucket.params):
+                entry = ParamState(self.notify)
+                for key in keys:
+                    dict.__setitem__(entry, key, bucket.shown(key)[k])
+                if self.rule.counts_steps:
+                    dict.__setitem__(entry, "step", bucket.steps()[1][k])
+                dict.__setitem__(state, p, entry)
+                self.stale = False  # nothing was written: the entries point at the buffers
+
     # -- batches --------------------------------------------------------------------------------
     def batch(
         self,
