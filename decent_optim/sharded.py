@@ -167,7 +167,8 @@ def shown(view: Tensor, p: Tensor) -> Tensor:
     if not is_sharded(p):
         return view
     # as FSDP2 makes its parameters: from_local's autograd view would not pickle (torch.save)
-    return type(p)(view, p._spec, requires_grad=False)  # type: ignore[attr-defined, call-arg, no-any-return]
+    make: Any = type(p)
+    return make(view, p._spec, requires_grad=False)  # type: ignore[attr-defined, no-any-return]
 
 
 class Mirror:
