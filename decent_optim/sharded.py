@@ -40,7 +40,7 @@ This module never imports :mod:`torch.distributed`: a DTensor is recognised by w
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,9 +50,11 @@ __all__ = [
     "Mirror",
     "check_params",
     "describe",
+    "full",
     "gossip_group",
     "is_sharded",
     "local",
+    "replica_sum",
     "replicas_per_node",
     "shown",
 ]
@@ -166,9 +168,30 @@ def shown(view: Tensor, p: Tensor) -> Tensor:
     """``view`` (a local state tensor) as ``opt.state`` shows it: a DTensor laid out like ``p``."""
     if not is_sharded(p):
         return view
-    # as FSDP2 makes its parameters: from_local's autograd view would not pickle (torch.save)
+    # as FSDP2 makes its parameters: a DTensor without autograd history
     make: Any = type(p)
     return make(view, p._spec, requires_grad=False)  # type: ignore[attr-defined, no-any-return]
+
+
+def replica_sum(params: Sequence[Tensor]) -> Callable[[float], float]:
+    """A function summing a number over the shard mesh of ``params`` (the identity when none is
+    sharded): a replica's squared distance is the sum of its shards'."""
+    first = next((p for p in params if is_sharded(p)), None)
+    if first is None:
+        return lambda value: value
+    mesh, shard = first.device_mesh, type(first.placements[0])(0)  # type: ignore[attr-defined]
+
+    def total(value: float) -> float:
+        mine = torch.tensor([value], dtype=torch.float64, device=local(first).device)
+        every = type(first).from_local(mine, mesh, [shard], run_check=False)  # type: ignore[attr-defined]
+        return float(every.full_tensor().sum())
+
+    return total
+
+
+def full(t: Tensor) -> Tensor:
+    """The whole of ``t``: a DTensor gathered from its mesh (a collective), ``t`` otherwise."""
+    return t.full_tensor() if is_sharded(t) else t  # type: ignore[attr-defined, no-any-return]
 
 
 class Mirror:

@@ -276,3 +276,73 @@ def test_resume_is_bit_exact(how, tmp_path):
     resumed = run_world_fresh(_checkpoint, 4, how, str(tmp_path), "resume")
     for a, b in zip(straight, resumed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _around(rank, world, replicas, shards):
+    """Gradient accumulation, clipping, then averaged(), consensus_distance() and export."""
+    model = _model()
+    kwargs: dict = {}
+    if shards > 1:
+        kwargs["process_group"] = _shard(model, replicas, shards)["replicate"]
+    opt = decent_optim.DecentralizedAdamW(model.parameters(), lr=1e-2, **kwargs)
+    replica, norms = rank // shards, []
+    for step in range(3):
+        for micro in range(2):
+            if shards > 1:  # FSDP2 reduce-scatters the gradients of the last micro-batch only
+                model.set_requires_gradient_sync(micro == 1)
+            x, y = _batch(replica, 2 * step + micro)
+            (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+    distance = opt.consensus_distance()
+    x, _ = _batch(0, 0)
+    with opt.averaged(model):
+        averaged_out = model(x).detach()
+    export = opt.consensus_state_dict(model)
+    return replica, _full(model), norms, distance, averaged_out, export
+
+
+def test_accumulation_clipping_averaged_distance_export():
+    ref = run_world(_around, 2, 2, 1)
+    got = run_world(_around, 4, 2, 2)
+    for replica, params, norms, distance, out, export in got:
+        r_params, r_norms, r_distance, r_out, r_export = ref[replica][1:]
+        assert max(float((a - b).abs().max()) for a, b in zip(params, r_params)) <= 1e-12
+        assert norms == pytest.approx(r_norms, rel=1e-12) and min(norms) > 0.05  # clipped
+        assert distance == pytest.approx(r_distance, rel=1e-9) and distance > 0
+        assert torch.allclose(out, r_out, rtol=0, atol=1e-12)
+        assert export.keys() == r_export.keys()
+        for k in export:  # whole tensors: they load into a plain model
+            assert not sharded.is_sharded(export[k])
+            assert torch.allclose(export[k], r_export[k], rtol=0, atol=1e-12)
+
+
+def _mixed_precision(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh["shard"], mp_policy=policy)
+    opt = decent_optim.DecentralizedAdamW(
+        model.parameters(), lr=1e-2, process_group=mesh["replicate"]
+    )
+    x, y = (t.float() for t in _batch(rank // 2, 0))
+    losses = []
+    for _ in range(5):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, {str(p.dtype) for p in model.parameters()}
+
+
+def test_mixed_precision_policy_trains_fp32_params_in_bf16():
+    for losses, dtypes in run_world(_mixed_precision, 4):
+        assert dtypes == {"torch.float32"}
+        assert losses[-1] < losses[0]  # the updated fp32 shards reach the bf16 all-gather

@@ -49,10 +49,16 @@ def averaged(
         rounds.record_versions()  # what the block wrote is undone: nothing raced
 
 
-def distance(rounds: Rounds, buffers: list[Tensor]) -> float:
-    """This rank's 2-norm distance to the mean of ``buffers`` over the ranks, in float64."""
+def distance(
+    rounds: Rounds, buffers: list[Tensor], total: Callable[[float], float] = lambda x: x
+) -> float:
+    """This rank's 2-norm distance to the mean of ``buffers`` over the ranks, in float64.
+
+    ``total`` sums the squared distance over the ranks holding one model together (shards)."""
     rounds.wait()
     values = [b.double() for b in buffers]  # float64 copies: an exact-ish mean
     mean = [v.clone() for v in values]
     rounds.gossip.average_(mean)
-    return math.sqrt(sum(float(torch.sub(v, m).square().sum()) for v, m in zip(values, mean)))
+    return math.sqrt(
+        total(sum(float(torch.sub(v, m).square().sum()) for v, m in zip(values, mean)))
+    )

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from decent_optim import sharded
 from decent_optim._validation import (
     check_decentralized,
     check_global_avg_every,
@@ -257,20 +258,23 @@ class DecentralizedOptimizer(Optimizer):
         r"""This rank's distance to the mean parameters, :math:`\lVert x_i - \bar x \rVert_2`.
 
         A collective (every rank calls it; each gets its own distance), over every gossiped
-        parameter, in float64. Uses the current, unmixed values, like the paper's d2c.
+        parameter, in float64; with sharded parameters, the distance of the rank's replica. Uses the current, unmixed values, like the paper's d2c.
         """
         self._readopt()
-        return consensus.distance(self._rounds, self._flat.buffers)
+        params = [p for b in self._flat.buckets for p in b.params]
+        return consensus.distance(self._rounds, self._flat.buffers, sharded.replica_sum(params))
 
     def consensus_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
         """``module.state_dict()`` of the globally averaged model, for export or deployment.
 
-        A collective; every rank gets the same copy (save it from rank 0). The rank's own
+        A collective; every rank gets the same copy (save it from rank 0), of whole tensors
+        (sharded parameters are gathered from their shards: it loads into any sharding and into
+        a plain model). The rank's own
         values are untouched. Example: ``sd = opt.consensus_state_dict(model)``, then on rank 0
         ``torch.save(sd, "model.pt")``.
         """
         with self.averaged(module):
-            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+            return {k: sharded.full(v).detach().clone() for k, v in module.state_dict().items()}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_building", False):
