@@ -24,9 +24,11 @@ the local tensors' version counters and copied into the buckets before the next 
 the buckets, which saves that copy. The optimizer receives parameters, not the FSDP2 modules
 that own the storage objects (``FSDPParam``), and FSDP2 re-allocates and re-points a padded
 shard on its own (``reset_sharded_param`` at lazy init, after ``.to()`` and after
-``load_state_dict``), which would silently cut such an alias. Measured with
-``benchmarks/sharded_storage.py`` (numbers in its docstring): the copy costs one extra local
-parameter shard of memory and a copy per step, a small fraction of an AdamW step.
+``load_state_dict``), which would silently cut such an alias. The alias would save exactly the
+copy and its memory; measured with ``benchmarks/sharded_storage.py`` (16.8M parameters over 2
+gloo CPU shards, 1 thread): 32 MiB per rank next to 64 MiB of AdamW state, and 2.9 ms per step,
+28% of the optimizer step (a copy moves 8 bytes per parameter, AdamW 28) but 1% of an iteration
+of 284 ms. Robustness wins over that 1%.
 
 FSDP2's padding (the last rows of an uneven shard) is never written: only the local tensor's
 own elements are copied, so it stays zero, and a rank whose shard has no rows holds an empty
