@@ -65,6 +65,8 @@ def _full(model: torch.nn.Module) -> list[torch.Tensor]:
 def _train(rank, world, replicas, shards, name, topology, steps, options):
     """Train ``steps`` steps; returns (replica, full parameters, padding of every local shard)."""
     model = _model()
+    if topology == "custom":  # arbitrary weights: point-to-point rounds
+        topology = decent_optim.topologies.CustomTopology([[[0.7, 0.3], [0.3, 0.7]]])
     kwargs = dict(OPTIMIZERS[name], topology=topology, **options)
     if shards > 1:
         mesh = _shard(model, replicas, shards)
@@ -109,6 +111,26 @@ def test_eight_ranks(replicas, shards, topology):
     # local_world_size=1: one replica per node (the harness's LOCAL_WORLD_SIZE puts all on one)
     options = dict(local_world_size=1)
     _compare(replicas, shards, "DecentralizedAdamW", topology, steps=3, options=options)
+
+
+@pytest.mark.parametrize("topology,options", [("custom", {}), ("ring", {"global_avg_every": 2})])
+def test_custom_topology_and_global_averages(topology, options):
+    _compare(2, 2, "DecentralizedAdam", topology, options=options)
+
+
+def _consensus_into_four_shards(rank, world, export):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model = _model()
+    _shard(model, 1, 4)
+    set_model_state_dict(model, export, options=StateDictOptions(full_state_dict=True))
+    return _full(model)
+
+
+def test_consensus_export_loads_into_another_shard_count():
+    export = run_world(_around, 4, 2, 2)[0][5]
+    for params in run_world(_consensus_into_four_shards, 4, export):
+        assert all(torch.equal(p, export[k]) for p, k in zip(params, export))
 
 
 def test_int8_compression_within_its_bound():

@@ -73,9 +73,12 @@ class DecentralizedOptimizer(Optimizer):
             checks and returns them: it runs where an error reaches every rank.
         topology: a name (``"complete"``, ``"ring"``, ``"one-peer-exp"``,
             ``"alternating-exp-ring"``) or a :class:`~decent_optim.Topology`.
-        process_group: the workers that gossip (default: the world group).
+        process_group: the workers that gossip (default: the world group): a
+            ``ProcessGroup``, or a 1-D ``DeviceMesh`` (``mesh["replicate"]`` for parameters
+            sharded with FSDP2 on ``mesh["shard"]``; see :doc:`/large_models`).
         bucket_cap_mb: size of the flat buckets parameters are packed into.
-        local_world_size: workers per node (default: ``LOCAL_WORLD_SIZE`` from torchrun, else 1).
+        local_world_size: workers per node (default: ``LOCAL_WORLD_SIZE`` from torchrun, else
+            1; for sharded parameters, the members of the gossip group on this rank's node).
         timeout: seconds (or a ``timedelta``) to wait for a gossip round before raising
             :class:`~decent_optim.gossip.GossipError` naming the round and the peers; default:
             the process group's timeout.
