@@ -83,7 +83,7 @@ class Bucket:
                 p.data = alias
         self._ptrs = [a.data_ptr() for a in self.aliases]
         self._state: dict[str, tuple[Tensor, list[Tensor]]] = {}
-        self._shown: dict[str, tuple[list[Tensor], list[Tensor]]] = {}
+        self._shown: dict[str, list[Tensor]] = {}
 
     @staticmethod
     def view_of(flat: Tensor, like: Tensor, offset: int) -> Tensor:
@@ -105,21 +105,9 @@ class Bucket:
         return [None if p.grad is None else sharded.local(p.grad) for p in self.params]
 
     def shown(self, key: str) -> list[Tensor]:
-        """State buffer ``key``'s per-parameter tensors as ``opt.state`` holds them (DTensors
-        over the views for sharded parameters)."""
+        """State buffer ``key`` per parameter as ``opt.state`` holds it (DTensors if sharded)."""
         views = self.state(key)[1]
-        if self.mirror is None:
-            return views
-        cached = self._shown.get(key)
-        if cached is None or cached[0] is not views:
-            # over aliases: a DTensor over a view with a storage offset does not pickle
-            flat = self.state(key)[0]
-            shown = [
-                sharded.shown(alias_of(flat, like, off), p)
-                for like, off, p in zip(self.layout, self.offsets, self.params)
-            ]
-            cached = self._shown[key] = (views, shown)
-        return cached[1]
+        return views if self.mirror is None else self._shown[key]
 
     def state(self, key: str) -> tuple[Tensor, list[Tensor]]:
         """State buffer ``key``: one flat tensor like :attr:`data` (zeros at first), and its views."""
@@ -127,6 +115,9 @@ class Bucket:
         if entry is None:
             flat = torch.zeros_like(self.data)
             entry = self._state[key] = (flat, self.views(flat))
+            if self.mirror is not None:  # over aliases: a DTensor over an offset view won't pickle
+                pairs = zip(self.layout, self.offsets, self.params)
+                self._shown[key] = [sharded.shown(alias_of(flat, t, o), p) for t, o, p in pairs]
         return entry
 
     def steps(self) -> tuple[Tensor, list[Tensor]]:
