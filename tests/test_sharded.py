@@ -368,3 +368,37 @@ def test_mixed_precision_policy_trains_fp32_params_in_bf16():
     for losses, dtypes in run_world(_mixed_precision, 4):
         assert dtypes == {"torch.float32"}
         assert losses[-1] < losses[0]  # the updated fp32 shards reach the bf16 all-gather
+
+
+def _fp16_scaled(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh["shard"], mp_policy=policy)
+    opt = decent_optim.DecentralizedAdamW(
+        model.parameters(), lr=1e-2, process_group=mesh["replicate"]
+    )
+    # found_inf is agreed over the shard group, so every shard of a replica skips alike
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**20, process_group=mesh["shard"].get_group())
+    for step in range(6):
+        x, y = (t.float() for t in _batch(rank // 2, step))
+        scaler.scale(torch.nn.functional.mse_loss(model(x).float(), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return scaler.get_scale(), opt._rounds.count, _full(model)
+
+
+def test_fp16_with_sharded_grad_scaler():
+    results = run_world(_fp16_scaled, 4)
+    for scale, rounds, params in results:
+        assert scale < 2.0**20  # overflowing steps were skipped ...
+        assert rounds == 6  # ... and their gossip rounds still ran
+        assert all(torch.isfinite(p).all() for p in params)
+    assert not torch.equal(results[0][2][0], results[2][2][0])  # the replicas trained apart
