@@ -402,3 +402,23 @@ def test_fp16_with_sharded_grad_scaler():
         assert rounds == 6  # ... and their gossip rounds still ran
         assert all(torch.isfinite(p).all() for p in params)
     assert not torch.equal(results[0][2][0], results[2][2][0])  # the replicas trained apart
+
+
+def _compiled(rank, world, compiled):
+    model = _model()
+    mesh = _shard(model, 2, 2)
+    if compiled:  # the FSDP2 blocks, as torchtitan compiles them (aot_eager: no C++ toolchain)
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                layer.compile(backend="aot_eager")
+    opt = decent_optim.DecentralizedAdamW(
+        model.parameters(), lr=1e-2, process_group=mesh["replicate"]
+    )
+    _steps(model, opt, rank // 2, 0, 3)
+    return _full(model)
+
+
+def test_compiled_blocks_equal_eager():
+    eager, compiled = run_world(_compiled, 4, False), run_world(_compiled, 4, True)
+    for a, b in zip(eager, compiled):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
