@@ -422,3 +422,29 @@ def test_compiled_blocks_equal_eager():
     eager, compiled = run_world(_compiled, 4, False), run_world(_compiled, 4, True)
     for a, b in zip(eager, compiled):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _consensus_dcp(rank, world, path, phase):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if phase == "save":  # 2 replicas x 2 shards; inside averaged() the replicas are equal
+        model, opt, _ = _build()
+        _steps(model, opt, rank // 2, 0, 3)
+        with opt.averaged(model):
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=path)
+            return _full(model)
+    model = _model()  # 1 replica x 4 shards
+    _shard(model, 1, 4)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    return _full(model)
+
+
+def test_consensus_saved_with_dcp_over_all_ranks_loads_into_four_shards(tmp_path):
+    saved = run_world(_consensus_dcp, 4, str(tmp_path), "save")
+    loaded = run_world(_consensus_dcp, 4, str(tmp_path), "load")
+    for a, b in zip(saved, loaded):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(saved[0], saved[2]))  # one model, not a mix
