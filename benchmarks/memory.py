@@ -2,10 +2,15 @@
 
     torchrun --standalone --nproc-per-node 2 benchmarks/memory.py
     torchrun --standalone --nproc-per-node 4 benchmarks/memory.py --compressed
+    torchrun --standalone --nproc-per-node 4 benchmarks/memory.py --sharded
 
 ``--compressed``: DecentralizedAdamW on ``alternating-exp-ring`` with the 4 ranks taken as 2
 nodes of 2 (``local_world_size=2``), for ``compression=None``, ``"bf16"`` and ``"int8"`` (the
 public copies and payload buffers of the rounds across nodes); results in ``memory_compressed.*``.
+``--sharded``: DecentralizedAdamW on FSDP2 (``fully_shard`` per layer on ``mesh["shard"]``) with
+1, 2 and 4 shards per replica (4, 2 and 1 replicas, ring over ``mesh["replicate"]``), per rank,
+against the whole model's parameter bytes; FSDP2's own storage is left out like the parameters.
+Results in ``memory_sharded.*``.
 
 After a few steps on a model of many small and a few large tensors, every tensor reachable from
 the optimizer object (its state, flat buffers, gossip receive buffers, scratch) is collected,
@@ -39,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 import decent_optim as dopt
+from decent_optim.sharded import local
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -60,7 +66,7 @@ def reachable_tensors(root, skip_ids: set[int]) -> dict[int, int]:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            st = obj.untyped_storage()
+            st = local(obj).untyped_storage()  # a DTensor's memory is its local tensor's
             out[st.data_ptr()] = st.nbytes()
             continue
         if isinstance(obj, dict):
@@ -92,12 +98,25 @@ def measure(name: str, build) -> dict:
         step()
     if hasattr(holder, "synchronize"):
         holder.synchronize()
-    exclude = {p.untyped_storage().data_ptr() for p in params}
-    exclude |= {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
+    params = list(net.parameters())  # FSDP2's, when it sharded them: their local shards
+    exclude = {local(p).untyped_storage().data_ptr() for p in params}
+    exclude |= {local(p.grad).untyped_storage().data_ptr() for p in params if p.grad is not None}
     found = reachable_tensors(holder, skip_ids={id(net)})
-    extra = sum(b for ptr, b in found.items() if ptr not in exclude and b > 64)
+    extra = _union(ptr_size for ptr_size in found.items() if ptr_size[0] not in exclude)
     return {"class": name, "params": numel, "bytes": extra, "bytes_per_param": extra / numel,
             "param_buffers": extra / (numel * 4)}  # fmt: skip
+
+
+def _union(spans) -> int:
+    """Bytes covered by ``(start, size)`` spans: per-tensor aliases of a flat buffer (storages of
+    their own over its memory, decent_optim.flat.alias_of) must not count twice."""
+    total, reach = 0, 0
+    for start, size in sorted((a, b) for a, b in spans if b > 64):
+        end = start + size
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def compressed_cases() -> list:
@@ -112,9 +131,26 @@ def compressed_cases() -> list:
              partial(build, c=c)) for c in (None, "bf16", "int8")]  # fmt: skip
 
 
+def sharded_cases() -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build(net, shards):
+        world = dist.get_world_size()
+        mesh = init_device_mesh("cpu", (world // shards, shards), mesh_dim_names=("r", "s"))
+        for layer in net:
+            fully_shard(layer, mesh=mesh["s"])
+        fully_shard(net, mesh=mesh["s"])
+        return _opt(dopt.DecentralizedAdamW(net.parameters(), lr=1e-3, process_group=mesh["r"]))
+
+    return [(f"DecentralizedAdamW on FSDP2, {s} shard(s) per replica", partial(build, shards=s))
+            for s in (1, 2, 4)]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compressed", action="store_true")
+    parser.add_argument("--sharded", action="store_true")
     parser.add_argument("--device", default=None, help="one process: peak memory on this device")
     parser.add_argument("--shapes", nargs="+", default=["gpt-125m"])
     parser.add_argument("--out", default=str(RESULTS))
@@ -150,6 +186,8 @@ def main() -> None:
         pass
     if compressed:
         cases = cases[:1] + compressed_cases()
+    if args.sharded:
+        cases = cases[:1] + sharded_cases()
     rows = [measure(name, build) for name, build in cases]
     if dist.get_rank() == 0:
         lines = [
@@ -167,6 +205,7 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         name = "memory_compressed" if compressed else "memory"
+        name = "memory_sharded" if args.sharded else name
         (out / f"{name}.json").write_text(json.dumps(rows, indent=2))
         (out / f"{name}.md").write_text(table + "\n")
     dist.destroy_process_group()

@@ -48,6 +48,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from decent_optim import sharded
+
 __all__ = ["Bucket", "FlatParams", "alias_of", "check_disjoint", "check_flattenable"]
 
 
@@ -59,20 +61,31 @@ class Bucket:
         self.group_index = group_index
         first = self.params[0]
         self.device, self.dtype = first.device, first.dtype
+        #: what the bucket holds of each parameter: the parameter, or a DTensor's local shard
+        self.layout = [sharded.local(p) for p in self.params]
         self.offsets: list[int] = []
         total = 0
-        for p in self.params:
+        for p in self.layout:
             self.offsets.append(total)
             total += p.numel()
         self.numel = total
         self.data = torch.empty(total, dtype=self.dtype, device=self.device)
         #: what each parameter's ``.data`` is: its stretch of :attr:`data`, with a storage of its own
-        self.aliases = [alias_of(self.data, p, off) for p, off in zip(self.params, self.offsets)]
-        for p, alias in zip(self.params, self.aliases):
-            alias.copy_(p.detach())
-            p.data = alias
+        self.aliases = [alias_of(self.data, p, off) for p, off in zip(self.layout, self.offsets)]
+        for like, alias in zip(self.layout, self.aliases):
+            alias.copy_(like.detach())
+        #: sharded parameters keep their own storage, kept equal to the bucket (see sharded)
+        self.mirror = (
+            sharded.Mirror(self.params, self.aliases) if first is not self.layout[0] else None
+        )
+        #: the tensors an update steps in place: the parameters, or the aliases of local shards
+        self.targets = self.params if self.mirror is None else self.aliases
+        if self.mirror is None:
+            for p, alias in zip(self.params, self.aliases):
+                p.data = alias
         self._ptrs = [a.data_ptr() for a in self.aliases]
         self._state: dict[str, tuple[Tensor, list[Tensor]]] = {}
+        self._shown: dict[str, list[Tensor]] = {}
 
     @staticmethod
     def view_of(flat: Tensor, like: Tensor, offset: int) -> Tensor:
@@ -81,11 +94,22 @@ class Bucket:
 
     def views(self, flat: Tensor) -> list[Tensor]:
         """Per-parameter views into ``flat``, a buffer laid out like :attr:`data`."""
-        return [self.view_of(flat, p, off) for p, off in zip(self.params, self.offsets)]
+        return [self.view_of(flat, p, off) for p, off in zip(self.layout, self.offsets)]
 
     def segments(self, flat: Tensor) -> list[Tensor]:
         """Per-parameter one-dimensional slices of ``flat``, in memory order."""
-        return [flat[off : off + p.numel()] for p, off in zip(self.params, self.offsets)]
+        return [flat[off : off + p.numel()] for p, off in zip(self.layout, self.offsets)]
+
+    def grads(self) -> list[Tensor | None]:
+        """Each parameter's gradient, as the bucket holds it (a DTensor's local shard)."""
+        if self.mirror is None:
+            return [p.grad for p in self.params]
+        return [None if p.grad is None else sharded.local(p.grad) for p in self.params]
+
+    def shown(self, key: str) -> list[Tensor]:
+        """State buffer ``key`` per parameter as ``opt.state`` holds it (DTensors if sharded)."""
+        views = self.state(key)[1]
+        return views if self.mirror is None else self._shown[key]
 
     def state(self, key: str) -> tuple[Tensor, list[Tensor]]:
         """State buffer ``key``: one flat tensor like :attr:`data` (zeros at first), and its views."""
@@ -93,6 +117,9 @@ class Bucket:
         if entry is None:
             flat = torch.zeros_like(self.data)
             entry = self._state[key] = (flat, self.views(flat))
+            if self.mirror is not None:  # over aliases: a DTensor over an offset view won't pickle
+                pairs = zip(self.layout, self.offsets, self.params)
+                self._shown[key] = [sharded.shown(alias_of(flat, t, o), p) for t, o, p in pairs]
         return entry
 
     def steps(self) -> tuple[Tensor, list[Tensor]]:
@@ -108,6 +135,8 @@ class Bucket:
 
     def moved(self) -> bool:
         """Whether some parameter's ``.data`` is no longer its alias of this bucket."""
+        if self.mirror is not None:
+            return self.mirror.moved()
         # every step: one comparison of lists, no Python work per parameter
         return [p.data_ptr() for p in self.params] != self._ptrs
 
@@ -118,17 +147,22 @@ class Bucket:
         parameter whose new ``.data`` has another shape, dtype or device: its stretch of the
         bucket cannot hold it (``owner``, the optimizer's name, is for the message).
         """
+        if self.mirror is not None:  # sharded: any write to a local shard is a change
+            return list(range(len(self.params))) if self.mirror.moved() else []
         moved = [k for k, p in enumerate(self.params) if p.data_ptr() != self._ptrs[k]]
         for k in moved:
             _check_readoptable(self.params[k], self.aliases[k], owner)
         return [k for k in moved if not torch.equal(self.params[k].detach(), self.aliases[k])]
 
-    def readopt(self, changed: list[int]) -> None:
+    def readopt(self, changed: list[int], owner: str) -> None:
         """Alias every parameter that left its alias again; copy in the values of ``changed``.
 
         The others (moved with the same values) keep what their alias holds now, e.g. the mix
-        of the round that was in flight.
+        of the round that was in flight. Sharded buckets copy the written local shards in.
         """
+        if self.mirror is not None:
+            self.mirror.readopt(owner)
+            return
         for k, p in enumerate(self.params):
             if p.data_ptr() != self._ptrs[k]:
                 alias = self.aliases[k]
@@ -154,11 +188,11 @@ class FlatParams:
         cap = int(bucket_cap_mb * 2**20)
         self.buckets: list[Bucket] = []
         for gi, params in enumerate(groups):
-            open_: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], int]] = {}
+            open_: dict[tuple[torch.device, torch.dtype, bool], tuple[list[Tensor], int]] = {}
             for p in params:
-                key = (p.device, p.dtype)
+                key = (p.device, p.dtype, sharded.is_sharded(p))
                 members, size = open_.get(key, ([], 0))
-                nbytes = p.numel() * p.element_size()
+                nbytes = sharded.local(p).numel() * p.element_size()
                 if members and size + nbytes > cap:
                     self.buckets.append(Bucket(members, gi))
                     members, size = [], 0
@@ -169,6 +203,18 @@ class FlatParams:
     def buffers(self) -> list[Tensor]:
         return [b.data for b in self.buckets]
 
+    def publish(self) -> None:
+        """Copy the buckets into the storage of sharded parameters (after the buckets changed)."""
+        for b in self.buckets:
+            if b.mirror is not None:
+                b.mirror.publish()
+
+    def readopt_mirrors(self, owner: str) -> None:
+        """Copy the storage of sharded parameters written since the last publish into the buckets."""
+        for b in self.buckets:
+            if b.mirror is not None and b.mirror.moved():
+                b.mirror.readopt(owner)
+
     def moved(self) -> bool:
         """Whether some parameter stopped aliasing its bucket (``.to()``, ``p.data = ...``)."""
         return any(b.moved() for b in self.buckets)
@@ -176,7 +222,7 @@ class FlatParams:
     def changed(self, owner: str) -> list[list[int]]:
         """Per bucket, :meth:`Bucket.changed`; raises ValueError for parameters that now share
         memory (weights tied by ``b.data = a.data`` after the optimizer was built)."""
-        params = [p for b in self.buckets for p in b.params]
+        params = [p for b in self.buckets if b.mirror is None for p in b.params]
         try:
             check_disjoint(params)
         except ValueError as err:
@@ -192,7 +238,7 @@ class FlatParams:
             changed = self.changed(owner)
         for b, ks in zip(self.buckets, changed):
             if b.moved():
-                b.readopt(ks)
+                b.readopt(ks, owner)
 
 
 def check_flattenable(p: Tensor) -> None:
@@ -236,7 +282,7 @@ def check_disjoint(params: Sequence[Tensor], names: Sequence[str | None] = ()) -
     """
     spans = sorted(
         (str(p.device), p.data_ptr(), p.data_ptr() + int(p.numel()) * p.element_size(), k)
-        for k, p in enumerate(params)
+        for k, p in enumerate(map(sharded.local, params))
         if p.numel() and p.data_ptr()  # (meta tensors have no memory: address 0)
     )
     reach: tuple[str, int, int] = ("", 0, -1)  # device, end and index of the span reaching furthest

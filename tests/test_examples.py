@@ -38,6 +38,7 @@ CASES = [
         ],
         "done: All-Reduce (DDP + AdamW)",
     ),
+    ("train_fsdp.py", ["--steps", "4"], "done: "),
     (
         "digits_cnn.py",
         ["--steps", "6", "--eval-every", "3"],

@@ -40,6 +40,7 @@ from decent_optim.gossip.collectives import (
     comm_device,
     gather_ints,
     gather_objects,
+    group_ranks,
     resolve_group,
 )
 from decent_optim.gossip.gossiper import TRANSPORTS, Gossiper, LocalGossiper
@@ -58,6 +59,7 @@ __all__ = [
     "check_devices",
     "comm_device",
     "gather_ints",
+    "group_ranks",
     "gather_objects",
     "resolve_group",
 ]

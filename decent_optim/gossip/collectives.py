@@ -103,6 +103,11 @@ def _check_alone() -> None:
         )
 
 
+def group_ranks(group: Any) -> tuple[list[int], int]:
+    """The global ranks of ``group``'s members, in group order, and this process's global rank."""
+    return list(dist.get_process_group_ranks(group)), dist.get_rank()
+
+
 def comm_device(group: Any) -> torch.device:
     """The device the group's backend exchanges tensors on."""
     if dist.get_backend(group) == "nccl":

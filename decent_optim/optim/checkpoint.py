@@ -89,6 +89,11 @@ def save(optimizer: Checkpointed) -> dict[str, Any]:
         "topology": topology_key(optimizer.topology),
         "params": [list(pair) for pair in fingerprint(optimizer._flat.buffers)],
     }
+    if any(b.mirror is not None for b in optimizer._flat.buckets):
+        # torch.distributed.checkpoint keeps only "state" and "param_groups", and writes one
+        # copy of what looks alike on every rank: the entries every rank shares ride along
+        shared = ("step", "pending", "world_size", "topology")
+        packed["param_groups"][0][KEY] = {k: packed[KEY][k] for k in shared}
     return packed
 
 
@@ -98,6 +103,11 @@ def load(optimizer: Checkpointed, state_dict: dict[str, Any]) -> None:
     optimizer._rounds.check_free("load_state_dict()")
     state_dict = dict(state_dict)
     extra = state_dict.pop(KEY, None)
+    groups = state_dict.get("param_groups")
+    if isinstance(groups, list) and groups and isinstance(groups[0], dict) and KEY in groups[0]:
+        # a sharded optimizer's copy for torch.distributed.checkpoint (see save)
+        state_dict["param_groups"] = [{k: v for k, v in g.items() if k != KEY} for g in groups]
+        extra = extra if extra is not None else groups[0][KEY]
     resume = agree_to_load(optimizer, state_dict, extra, *optimizer._where)
     Optimizer.load_state_dict(optimizer, state_dict)
     for group in optimizer.param_groups:  # keys a checkpoint of an older version lacks
@@ -108,8 +118,10 @@ def load(optimizer: Checkpointed, state_dict: dict[str, Any]) -> None:
     optimizer._rounds.reset(resume.count, resume.pending)
     flat_state.rebind(optimizer.state, optimizer.param_groups)
     stash, optimizer._stash = optimizer._stash, None
+    optimizer._flat.readopt_mirrors(type(optimizer).__name__)  # sharded: weights loaded since
     if stash is not None:  # the model was loaded before the optimizer was built
         stash.restore(optimizer._flat.buffers, resume.params)
+        optimizer._flat.publish()  # sharded parameters see what the buckets hold
 
 
 @dataclass

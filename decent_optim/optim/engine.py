@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from decent_optim import sharded
 from decent_optim._validation import (
     check_decentralized,
     check_global_avg_every,
@@ -76,9 +77,12 @@ class DecentralizedOptimizer(Optimizer):
             checks and returns them: it runs where an error reaches every rank.
         topology: a name (``"complete"``, ``"ring"``, ``"one-peer-exp"``,
             ``"alternating-exp-ring"``) or a :class:`~decent_optim.Topology`.
-        process_group: the workers that gossip (default: the world group).
+        process_group: the workers that gossip (default: the world group): a
+            ``ProcessGroup``, or a 1-D ``DeviceMesh`` (``mesh["replicate"]`` for parameters
+            sharded with FSDP2 on ``mesh["shard"]``; see :doc:`/large_models`).
         bucket_cap_mb: size of the flat buckets parameters are packed into.
-        local_world_size: workers per node (default: ``LOCAL_WORLD_SIZE`` from torchrun, else 1).
+        local_world_size: workers per node (default: ``LOCAL_WORLD_SIZE`` from torchrun, else
+            1; for sharded parameters, the members of the gossip group on this rank's node).
         timeout: seconds (or a ``timedelta``) to wait for a gossip round before raising
             :class:`~decent_optim.gossip.GossipError` naming the round and the peers; default:
             the process group's timeout.
@@ -167,6 +171,7 @@ class DecentralizedOptimizer(Optimizer):
         self._rounds = Rounds(start.gossip, start.flat, global_avg_every)
         self._flat_state = FlatState(start.flat.buckets, self.rule)
         self.state = self._flat_state.wrap(self.state)
+        self._flat_state.prefill(self.state, self.param_groups)  # sharded only: see there
         self._group_params = [list(g["params"]) for g in self.param_groups]
         self._averaged = AveragedCheck()
 
@@ -246,9 +251,10 @@ class DecentralizedOptimizer(Optimizer):
     @torch._dynamo.disable  # type: ignore[misc]
     @guarded
     def _conclude(self, work: list[Work]) -> None:
-        """After the rule: count the updates, and launch the next round."""
+        """After the rule: count the updates, publish sharded values, and launch the next round."""
         for index, batch, _, _, amp in work:
             self._flat_state.updated(index, batch, amp.active)
+        self._flat.publish()  # sharded parameters: what FSDP2 all-gathers next
         # launch even when no parameter had a gradient: the neighbours wait on this round
         self._rounds.launch()
 
@@ -263,6 +269,7 @@ class DecentralizedOptimizer(Optimizer):
         """
         self._readopt()
         self._rounds.synchronize()
+        self._flat.publish()
 
     def averaged(
         self, module: torch.nn.Module | None = None
@@ -283,7 +290,8 @@ class DecentralizedOptimizer(Optimizer):
         with self._latch.guard():
             self._readopt()
         return guarded_block(
-            self._latch, consensus.averaged(self._rounds, self._flat.buffers, module)
+            self._latch,
+            consensus.averaged(self._rounds, self._flat.buffers, module, self._flat.publish),
         )
 
     @guarded
@@ -291,20 +299,23 @@ class DecentralizedOptimizer(Optimizer):
         r"""This rank's distance to the mean parameters, :math:`\lVert x_i - \bar x \rVert_2`.
 
         A collective (every rank calls it; each gets its own distance), over every gossiped
-        parameter, in float64. Uses the current, unmixed values, like the paper's d2c.
+        parameter, in float64; with sharded parameters, the distance of the rank's replica. Uses the current, unmixed values, like the paper's d2c.
         """
         self._readopt()
-        return consensus.distance(self._rounds, self._flat.buffers)
+        params = [p for b in self._flat.buckets for p in b.params]
+        return consensus.distance(self._rounds, self._flat.buffers, sharded.replica_sum(params))
 
     def consensus_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
         """``module.state_dict()`` of the globally averaged model, for export or deployment.
 
-        A collective; every rank gets the same copy (save it from rank 0). The rank's own
+        A collective; every rank gets the same copy (save it from rank 0), of whole tensors
+        (sharded parameters are gathered from their shards: it loads into any sharding and into
+        a plain model). The rank's own
         values are untouched. Example: ``sd = opt.consensus_state_dict(model)``, then on rank 0
         ``torch.save(sd, "model.pt")``.
         """
         with self.averaged(module):
-            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+            return {k: sharded.full(v).detach().clone() for k, v in module.state_dict().items()}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_building", False):

@@ -67,7 +67,7 @@ def gradients(
         first: no step was taken and no state exists yet (a step without any gradient is then
             a missing ``backward()``, not a step where nothing was used).
     """
-    grads = [[p.grad for p in b.params] for b in flat.buckets]
+    grads = [b.grads() for b in flat.buckets]
     present = [g for bucket in grads for g in bucket if g is not None]
     if any(g.is_sparse for g in present):
         raise RuntimeError(

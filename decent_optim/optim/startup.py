@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from decent_optim import topologies
+from decent_optim import sharded, topologies
 from decent_optim._validation import resolve_local_world_size
 from decent_optim.flat import FlatParams, check_disjoint, check_flattenable
 from decent_optim.gossip import (
@@ -49,6 +49,7 @@ from decent_optim.gossip import (
     channel,
     check_devices,
     comm_device,
+    group_ranks,
     resolve_group,
 )
 from decent_optim.optim.agreement import Account, agree
@@ -167,7 +168,7 @@ def connect(
     ``failure`` is an error the caller hit before (its arguments), reported to every rank.
     """
     try:
-        group, world_size = resolve_group(process_group)
+        group, world_size = resolve_group(sharded.gossip_group(process_group))
     except Exception:
         if failure is not None:
             raise failure from None
@@ -181,6 +182,11 @@ def connect(
             check_flattenable(p)
         if group is not None:
             check_devices(group, every)
+        ranks, me = group_ranks(group) if group is not None else (None, 0)
+        sharded.check_params(every, ranks, me)
+        if local_world_size is None and ranks and any(map(sharded.is_sharded, every)):
+            # replicas per node: torchrun's LOCAL_WORLD_SIZE counts ranks, shards included
+            local_world_size = sharded.replicas_per_node(ranks, me)
         topo = topologies.get(topology, world_size, resolve_local_world_size(local_world_size))
         account = describe(groups, names, name, topo, global_avg_every, bucket_cap_mb, compression)
         account.settings.insert(1, ("optimizer number", str(number)))
@@ -211,7 +217,9 @@ def connect(
     if world_size == 1:
         return Connected(LocalGossiper(topo), topo, flat, frozen, None, member, None, None)
     own_values = [b.clone() for b in flat.buffers]
-    broadcast_(flat.buffers + [p.detach() for p in frozen], group, timeout)
+    broadcast_(flat.buffers, group, timeout)
+    flat.publish()
+    broadcast_([p.detach() for p in frozen], group, timeout)
     differs = any(not torch.equal(a, b) for a, b in zip(own_values, flat.buffers))
     stash = Stash(own_values, flat.buffers) if differs else None
     gossip = Gossiper(
@@ -259,5 +267,5 @@ def _describe(p: Tensor, group_index: int) -> str:
     dtype = str(p.dtype).removeprefix("torch.")
     return (
         f"shape {tuple(p.shape)}, strides {p.stride()}, {dtype} on {p.device.type}, "
-        f"requires_grad={p.requires_grad}, param group {group_index}"
+        f"requires_grad={p.requires_grad}, param group {group_index}{sharded.describe(p)}"
     )

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from decent_optim import sharded
 from decent_optim.flat import Bucket
 from decent_optim.gossip.handle import NO_MIX, PendingMix
 from decent_optim.optim.watched import ParamState, StateDict
@@ -81,9 +82,9 @@ class FlatState:
     def _adopt(self, bucket: Bucket, k: int, entry: dict[str, Any], keys: tuple[str, ...]) -> None:
         p = bucket.params[k]
         for key in keys:
-            view = bucket.state(key)[1][k]
+            view, public = bucket.state(key)[1][k], bucket.shown(key)[k]
             value = entry.get(key)
-            if value is view:
+            if value is public:
                 continue
             if value is None:
                 view.zero_()  # e.g. max_exp_avg_sq once amsgrad is switched on
@@ -94,8 +95,8 @@ class FlatState:
                     f"tensor of that shape, got {got}"
                 )
             else:
-                view.copy_(value)
-            dict.__setitem__(entry, key, view)
+                view.copy_(sharded.local(value))
+            dict.__setitem__(entry, key, public)
         if self.rule.counts_steps:
             view = bucket.steps()[1][k]
             value = entry.get("step")
@@ -122,9 +123,8 @@ class FlatState:
                         entry = ParamState(self.notify)
                         dict.__setitem__(state, bucket.params[k], entry)
                     for key in keys:
-                        view = bucket.state(key)[1][k]
-                        view.zero_()
-                        dict.__setitem__(entry, key, view)
+                        bucket.state(key)[1][k].zero_()
+                        dict.__setitem__(entry, key, bucket.shown(key)[k])
                     if self.rule.counts_steps:
                         view = bucket.steps()[1][k]
                         view.zero_()
@@ -132,6 +132,27 @@ class FlatState:
                     bound[k] = True
             self._counts[index].uniform = None
         return fresh
+
+    def prefill(self, state: dict[Any, Any], groups: list[dict[str, Any]]) -> None:
+        """Give every parameter of a sharded bucket its state now, zeros, still fresh.
+
+        ``torch.distributed.checkpoint`` calls ``step()`` on an optimizer whose ``state`` is
+        empty, to create the state it saves or loads into; here that step would launch a
+        gossip round. The entries made here hold zeros (what the first update starts from) and
+        are not *bound*, so the first update still treats them as new.
+        """
+        for bucket in self.buckets:
+            if bucket.mirror is None:
+                continue
+            keys = self.rule.keys(groups[bucket.group_index])
+            for k, p in enumerate(bucket.params):
+                entry = ParamState(self.notify)
+                for key in keys:
+                    dict.__setitem__(entry, key, bucket.shown(key)[k])
+                if self.rule.counts_steps:
+                    dict.__setitem__(entry, "step", bucket.steps()[1][k])
+                dict.__setitem__(state, p, entry)
+                self.stale = False  # nothing was written: the entries point at the buffers
 
     # -- batches --------------------------------------------------------------------------------
     def batch(
@@ -165,8 +186,8 @@ class FlatState:
             views = {key: bucket.state(key)[1] for key in keys}
             return Batch(
                 bucket=bucket,
-                params=[bucket.params[k] for k in with_grad],
-                grads=[_laid_out_like(grads[k], bucket.params[k]) for k in with_grad],  # type: ignore[arg-type]
+                params=[bucket.targets[k] for k in with_grad],
+                grads=[_laid_out_like(grads[k], bucket.targets[k]) for k in with_grad],  # type: ignore[arg-type]
                 state={key: [v[k] for k in with_grad] for key, v in views.items()},
                 steps=[step_views[k] for k in with_grad] if counted else [],
                 counters=None,
@@ -203,8 +224,8 @@ class FlatState:
             ), mix
         return Batch(
             bucket=bucket,
-            params=list(bucket.params),
-            grads=[_laid_out_like(g, p) for g, p in zip(present, bucket.params)],
+            params=list(bucket.targets),
+            grads=[_laid_out_like(g, p) for g, p in zip(present, bucket.targets)],
             state={key: list(bucket.state(key)[1]) for key in keys},
             steps=list(step_views),
             counters=counters,

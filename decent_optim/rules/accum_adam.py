@@ -95,7 +95,7 @@ class AccumAdamRule(UpdateRule):
             parts = [(0, bucket.numel, batch.grads[0])]
         else:
             parts = []
-            for p, g, offset in zip(bucket.params, batch.grads, bucket.offsets):
+            for p, g, offset in zip(bucket.targets, batch.grads, bucket.offsets):
                 if g.stride() != p.stride():  # read it in memory order, like the parameter
                     g = torch.empty_like(p).copy_(g)
                 parts.append((offset, offset + p.numel(), g))
