@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 emulate=${EMULATE_CLUSTER:-../shared/tools/emulate-cluster}
+[[ -x $emulate ]] || emulate=../../shared/tools/emulate-cluster  # from a worktree under wt/
 python=${PYTHON:-python}
 rates=("$@")
 ((${#rates[@]})) || rates=(1gbit 100mbit)

@@ -273,3 +273,44 @@ def test_bad_arguments_say_what_to_do(kwargs, error, match):
 def test_bad_outer_settings_say_what_to_do(kwargs, error, match):
     with pytest.raises(error, match=match):
         dopt.OuterSGD(**kwargs)
+
+
+# -- the runtime model and plan ---------------------------------------------------------------------
+
+
+def test_runtime_model_of_local_steps():
+    from decent_optim import runtime
+
+    work = runtime.Workload(compute_mean=0.1, compute_std=0.02, update_time=0.01)
+    every = runtime.predict_gossip(work, [0.3, 0.05], [1, 1], "ring")
+    one = runtime.predict_local_steps(work, [0.3, 0.05], [1, 1], 1, "ring")
+    assert one.iteration == pytest.approx(every.iteration)
+    # sigma = 0: a 0.3 s round hides behind 4 computes of 0.1 s; per iteration 0.1 + 0.01
+    flat = runtime.Workload(compute_mean=0.1, update_time=0.01)
+    four = runtime.predict_local_steps(flat, [0.3], [1], 4, "ring")
+    assert four.iteration == pytest.approx(0.11) and four.exposed_comm == 0
+    two = runtime.predict_local_steps(flat, [0.3], [1], 2, "ring")
+    assert two.iteration == pytest.approx(0.3 / 2 + 0.01)
+    # DiLoCo blocks on the all-reduce: (4 * 0.1 + 0.3) / 4 + 0.01
+    diloco = runtime.predict_diloco(flat, 4, 0.3, 4)
+    assert diloco.iteration == pytest.approx(0.185) and diloco.method == "diloco H=4"
+    with pytest.raises(ValueError, match="local_steps must be an int >= 1"):
+        runtime.predict_local_steps(flat, [0.3], [1], 0)
+
+
+def test_plan_predicts_local_steps_per_h():
+    from decent_optim import plan
+
+    measured = {
+        "world_size": 4, "local_world_size": 1, "backend": "gloo", "params": 10, "bytes": 40,
+        "compute_mean_s": 0.1, "compute_std_s": 0.0, "backward_fraction": 0.5, "update_s": 0.0,
+        "allreduce_s": 0.8, "gossip": {"ring": {"round_s": [0.3, 0.3], "degrees": [1, 1]}},
+    }  # fmt: skip
+    rows = plan.predict(measured, overlap=1.0, local_steps=[4])
+    times = {p.method: p.iteration for p, _ in rows}
+    assert rows[0][0].method == "ring H=4"
+    assert times["ring H=4"] == pytest.approx(0.1)
+    assert times["ring"] == pytest.approx(0.3)
+    assert times["diloco H=4"] == pytest.approx(0.3)
+    assert "ring H=4" in plan.format_table(measured, rows)
+    assert plan.parse(["--local-steps", "4", "16"]).local_steps == [4, 16]
