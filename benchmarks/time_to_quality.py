@@ -39,6 +39,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -224,7 +225,12 @@ def worker(args) -> None:
                 delta.div_(n)
                 momentum = delta.clone() if momentum is None else momentum.mul_(0.9).add_(delta)
                 theta.sub_(delta.add_(momentum, alpha=0.9), alpha=0.7)
-                torch.nn.utils.vector_to_parameters(theta, params)
+                # copy (vector_to_parameters would make the parameters views of theta, and
+                # the inner steps would then move the outer parameters too)
+                start = 0
+                for p in params:
+                    p.data.copy_(theta[start : start + p.numel()].view_as(p))
+                    start += p.numel()
         done = step + 1
         if done % args.eval_every and done != max_steps:
             continue
@@ -308,6 +314,7 @@ def launch(args, rest: list[str]) -> None:
             rows.append(json.loads(part.read_text()))
     if node_rank == 0 and rows:
         write_results(args, nnodes, rows, notes)
+        shutil.rmtree(parts, ignore_errors=True)
 
 
 def write_results(args, nnodes: int, rows: list[dict], notes: list[str]) -> None:

@@ -14,7 +14,7 @@ rates=("$@")
 for rate in "${rates[@]}"; do
   echo "== link rate $rate; load average: $(cut -d' ' -f1-3 /proc/loadavg)"
   flock /tmp/emulate.lock "$emulate" --nodes 2 --rate "$rate" --timeout "${TTQ_TIMEOUT:-3600}" -- \
-    bash -c "$python benchmarks/time_to_quality.py --nproc 2 --tag $rate ${TTQ_ARGS:-}"
+    bash -c "$python benchmarks/time_to_quality.py --nproc 2 --tag $rate${TTQ_SUFFIX:-} ${TTQ_ARGS:-}"
 done
-"$python" benchmarks/time_to_quality.py --plot "${rates[@]}"
+"$python" benchmarks/time_to_quality.py --plot "${rates[@]/%/${TTQ_SUFFIX:-}}"
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
