@@ -250,9 +250,9 @@ def simulate_local(
     Rows are workers. ``A`` holds the anchors (outer parameters), ``B`` the outer momentum. At the
     step that completes a period, before its update, ``A' = W(k) @ A_sent`` and
     ``X += A' - A_sent``; after the update, when the step count is a multiple of ``local_steps``:
-    plain ``A = X``, or ``D = A - X``, ``B = mu B + D`` (``B = D`` the first time),
-    ``A -= lr (D + mu B)`` (Nesterov) or ``lr B``, ``X = A``; then ``A`` is sent as round
-    ``count / local_steps``.
+    plain ``A = X``, sent as round ``count / local_steps``; or ``D = A - X``, ``B = mu B + D``
+    (``B = D`` the first time), ``A -= lr (D + mu B)`` (Nesterov) or ``lr B``, then at once
+    ``A = W(count / local_steps) @ A`` and ``X = A`` (no overlap with an outer step).
     """
     x = x0.double().clone()
     n = x.shape[0]
@@ -283,6 +283,9 @@ def simulate_local(
                 momentum = delta.clone() if momentum is None else mu * momentum + delta
                 step = delta + mu * momentum if outer["nesterov"] else momentum
             anchor = anchor - outer["lr"] * step
+            k = (t + 1) // local_steps  # with an outer step the round is waited for at once
+            anchor = mixer(anchor, k) if mixer is not None else mixing(k).double() @ anchor  # type: ignore[misc]
             x = anchor.clone()
+            continue
         sent = ((t + 1) // local_steps, anchor.clone())
     return x
