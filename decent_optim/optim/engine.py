@@ -98,7 +98,8 @@ class DecentralizedOptimizer(Optimizer):
             next period and is mixed in at its end; one extra parameter-sized buffer.
         outer: None (default), ``"diloco"`` or a :class:`~decent_optim.OuterSGD`: at the end of
             every period, an outer Nesterov-momentum step on the pseudo-gradient (DiLoCo over
-            gossip; one more buffer). See :doc:`/algorithms` ("Local steps").
+            gossip; one more buffer); its round is waited for at the end of the period, not
+            overlapped. See :doc:`/algorithms` ("Local steps").
     """
 
     #: the algorithm: its state, its update
