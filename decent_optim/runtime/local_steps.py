@@ -1,6 +1,8 @@
 r"""The runtime model with local steps: gossip every :math:`H` steps, or DiLoCo's all-reduce.
 
-*Gossip every H steps* (``local_steps=H``). The round launched at the end of a period travels
+*Gossip every H steps* (``local_steps=H`` without ``outer``; with ``outer`` the round is waited
+for at the end of its period, which the DiLoCo formula below describes with :math:`A` the
+round's time and :math:`n` the round's group size). The round launched at the end of a period travels
 during the whole next period, :math:`H` forward/backward passes and updates, and is waited for
 at its end; a worker then waits for its :math:`k_r` in-neighbours' periods too. A period's
 compute is the sum of :math:`H` independent normal times, :math:`N(H\mu, H\sigma^2)`, so with
