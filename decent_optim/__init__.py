@@ -10,6 +10,7 @@ from decent_optim.optim.accum_adam import AccumAdam, AccumAdamW
 from decent_optim.optim.dadam import DecentralizedAdam, DecentralizedAdamW
 from decent_optim.optim.dsgd import DSGD
 from decent_optim.optim.engine import DecentralizedOptimizer
+from decent_optim.optim.local_steps import OuterSGD
 from decent_optim.topologies import Topology
 from decent_optim.wrappers import unwrap
 
@@ -22,6 +23,7 @@ __all__ = [
     "DecentralizedAdam",
     "DecentralizedAdamW",
     "DecentralizedOptimizer",
+    "OuterSGD",
     "Topology",
     "__version__",
     "checkpoint",

@@ -90,6 +90,14 @@ def parser() -> argparse.ArgumentParser:
         choices=sorted(runtime.WIRE_BYTES),
         help="also measure the topologies' rounds compressed this way (several nodes only)",
     )
+    p.add_argument(
+        "--local-steps",
+        nargs="*",
+        type=positive_int,
+        default=[],
+        metavar="H",
+        help="also predict gossip every H steps (local_steps=H) and DiLoCo's all-reduce every H",
+    )
     p.add_argument("--json", default=None, help="also write the measurements and predictions here")
     return p
 

@@ -16,6 +16,11 @@ In well under a minute it measures, at the given model size:
   table with the reason); with ``--compression bf16 int8`` also the compressed rounds
   (``<topology>+<compression>``; only on more than one node, where they apply).
 
+With ``--local-steps 4 16`` it also predicts every topology gossiping every H steps
+(``local_steps=H``: the round travels during H iterations) and DiLoCo's blocking all-reduce of
+the pseudo-gradients every H steps (:mod:`decent_optim.runtime.local_steps`), for each H. These
+predict time per iteration only: fewer rounds cost quality, which only training measures.
+
 Rank 0 then prints the :mod:`decent_optim.runtime` predictions: time per iteration for
 All-Reduce and each topology and the speedup over All-Reduce. Your model's compute time can be
 given with ``--compute-ms`` (and ``--compute-std-ms``) instead of the synthetic workload.
@@ -30,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -204,7 +210,11 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     return result
 
 
-def predict(measured: dict, overlap: float) -> list[tuple[runtime.Prediction, float]]:
+def predict(
+    measured: dict, overlap: float, local_steps: Sequence[int] = ()
+) -> list[tuple[runtime.Prediction, float]]:
+    """Predictions, fastest first, with the speedup over All-Reduce; with ``local_steps`` also
+    every topology gossiping every H steps and DiLoCo's all-reduce every H steps, per H."""
     workload = runtime.Workload(
         compute_mean=measured["compute_mean_s"],
         compute_std=measured["compute_std_s"],
@@ -212,9 +222,17 @@ def predict(measured: dict, overlap: float) -> list[tuple[runtime.Prediction, fl
         backward_fraction=min(1.0, max(0.0, measured["backward_fraction"])),
     )
     gossip = {k: (v["round_s"], v["degrees"]) for k, v in measured["gossip"].items()}
-    return runtime.recommend(
-        workload, measured["world_size"], measured["allreduce_s"], gossip, overlap
-    )
+    n, allreduce_s = measured["world_size"], measured["allreduce_s"]
+    rows = runtime.recommend(workload, n, allreduce_s, gossip, overlap)
+    if not local_steps:
+        return rows
+    base = next(p for p, _ in rows if p.method == "all-reduce").iteration
+    preds = [p for p, _ in rows]
+    for h in local_steps:
+        preds += [runtime.predict_local_steps(workload, t, d, h, k) for k, (t, d) in gossip.items()]
+        preds.append(runtime.predict_diloco(workload, n, allreduce_s, h))
+    preds.sort(key=lambda p: p.iteration)
+    return [(p, base / p.iteration if p.iteration > 0 else 1.0) for p in preds]
 
 
 def format_table(measured: dict, rows: list[tuple[runtime.Prediction, float]]) -> str:
@@ -251,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     device = init_from_environment()
     try:
         measured = measure(args, device)
-        rows = predict(measured, args.overlap)
+        rows = predict(measured, args.overlap, args.local_steps)
         if group_info()[0] == 0:
             print(format_table(measured, rows), flush=True)
             if args.json:

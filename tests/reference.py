@@ -228,3 +228,64 @@ class CompressedMixing:
                 pull = sum(copies[b] - copies[a] for b in range(len(parts)) if b != a)
                 new[part] = means[a] + self.gamma / len(parts) * pull
         return new
+
+
+# -- local steps (docs/algorithms.rst "Local steps") ----------------------------------------------
+
+
+def simulate_local(
+    kind: str,
+    mixing: Callable[[int], Tensor] | None,
+    x0: Tensor,
+    grad_fn: Callable[[Tensor, int], Tensor],
+    segments: Sequence[Segment],
+    steps: int,
+    local_steps: int,
+    outer: dict | None = None,
+    mixer: Callable[[Tensor, int], Tensor] | None = None,
+) -> Tensor:
+    """Gossip every ``local_steps`` steps, the round of period ``k`` mixed at the end of period
+    ``k + 1``; with ``outer`` (``lr``, ``momentum``, ``nesterov``) an outer SGD step on the anchors.
+
+    Rows are workers. ``A`` holds the anchors (outer parameters), ``B`` the outer momentum. At the
+    step that completes a period, before its update, ``A' = W(k) @ A_sent`` and
+    ``X += A' - A_sent``; after the update, when the step count is a multiple of ``local_steps``:
+    plain ``A = X``, sent as round ``count / local_steps``; or ``D = A - X``, ``B = mu B + D``
+    (``B = D`` the first time), ``A -= lr (D + mu B)`` (Nesterov) or ``lr B``, then at once
+    ``A = W(count / local_steps) @ A`` and ``X = A`` (no overlap with an outer step).
+    """
+    x = x0.double().clone()
+    n = x.shape[0]
+    states = [[RefState() for _ in segments] for _ in range(n)]
+    anchor, momentum, sent = x.clone(), None, None
+    for t in range(steps):
+        g = grad_fn(x, t)
+        if (t + 1) % local_steps == 0 and sent is not None:
+            k, values = sent
+            mixed = mixer(values, k) if mixer is not None else mixing(k).double() @ values  # type: ignore[misc]
+            x = x + (mixed - values)
+            anchor, sent = mixed, None
+        new = x.clone()
+        for i in range(n):
+            for seg, st in zip(segments, states[i]):
+                sl = slice(seg.start, seg.stop)
+                st.steps += 1
+                new[i, sl] = UPDATES[kind](x[i, sl], g[i, sl], st, **seg.hyper)
+        x = new
+        if (t + 1) % local_steps:
+            continue
+        if outer is None:
+            anchor = x.clone()
+        else:
+            delta, mu = anchor - x, outer["momentum"]
+            step = delta
+            if mu:
+                momentum = delta.clone() if momentum is None else mu * momentum + delta
+                step = delta + mu * momentum if outer["nesterov"] else momentum
+            anchor = anchor - outer["lr"] * step
+            k = (t + 1) // local_steps  # with an outer step the round is waited for at once
+            anchor = mixer(anchor, k) if mixer is not None else mixing(k).double() @ anchor  # type: ignore[misc]
+            x = anchor.clone()
+            continue
+        sent = ((t + 1) // local_steps, anchor.clone())
+    return x

@@ -26,10 +26,10 @@ from decent_optim._validation import (
 )
 from decent_optim.gossip.handle import NO_MIX, PendingMix
 from decent_optim.optim import checkpoint, consensus
+from decent_optim.optim import local_steps as periodic
 from decent_optim.optim.failure import FailureLatch, guarded, guarded_block
 from decent_optim.optim.inputs import AveragedCheck, check_membership, gradients
 from decent_optim.optim.options import ParamsT, with_defaults
-from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.startup import connect
 from decent_optim.optim.state import FlatState
 from decent_optim.rules.base import Amp, Batch, UpdateRule
@@ -101,6 +101,13 @@ class DecentralizedOptimizer(Optimizer):
             public copies with error feedback (CHOCO-gossip): errors do not accumulate and every
             round keeps the mean. Needs rounds that average uniform groups (every named
             topology) and memory for the copies; see :doc:`/algorithms` ("Compressed gossip").
+        local_steps: gossip every this many steps instead of every step (default 1). The round
+            launched at the end of a period of ``local_steps`` steps travels during the whole
+            next period and is mixed in at its end; one extra parameter-sized buffer.
+        outer: None (default), ``"diloco"`` or a :class:`~decent_optim.OuterSGD`: at the end of
+            every period, an outer Nesterov-momentum step on the pseudo-gradient (DiLoCo over
+            gossip; one more buffer); its round is waited for at the end of the period, not
+            overlapped. See :doc:`/algorithms` ("Local steps").
     """
 
     #: the algorithm: its state, its update
@@ -134,8 +141,11 @@ class DecentralizedOptimizer(Optimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         compression: str | None = None,
+        local_steps: int = 1,
+        outer: periodic.OuterSGD | str | None = None,
     ) -> None:
         failure = None
+        period: tuple[int, periodic.OuterSGD | None] = (1, None)
         self._building = True
         self._latch = FailureLatch(type(self).__name__)
         try:  # a rank that fails alone must tell the others, which would wait for it at start-up
@@ -145,6 +155,7 @@ class DecentralizedOptimizer(Optimizer):
             check_decentralized(topology, bucket_cap_mb, local_world_size, compression)
             wait_limit = check_timeout(timeout)
             check_global_avg_every(global_avg_every)
+            period = periodic.check_local_steps(local_steps, outer, global_avg_every)
             flags = dict(maximize=maximize, foreach=foreach, fused=fused)
             flags.update(capturable=False, differentiable=False)
             hyper = defaults() if callable(defaults) else defaults
@@ -164,11 +175,12 @@ class DecentralizedOptimizer(Optimizer):
             timeout=wait_limit,
             global_avg_every=global_avg_every,
             compression=compression,
+            local_steps=periodic.describe(*period),
         )
         self.topology, self._member = start.topology, start.member
         self._where = (start.group, start.device)  # of load_state_dict's cross-check
         self._flat, self._frozen, self._stash = start.flat, start.frozen, start.stash
-        self._rounds = Rounds(start.gossip, start.flat, global_avg_every)
+        self._rounds = periodic.make_rounds(start.gossip, start.flat, global_avg_every, *period)
         self._flat_state = FlatState(start.flat.buckets, self.rule)
         self.state = self._flat_state.wrap(self.state)
         self._flat_state.prefill(self.state, self.param_groups)  # sharded only: see there
@@ -254,9 +266,9 @@ class DecentralizedOptimizer(Optimizer):
         """After the rule: count the updates, publish sharded values, and launch the next round."""
         for index, batch, _, _, amp in work:
             self._flat_state.updated(index, batch, amp.active)
-        self._flat.publish()  # sharded parameters: what FSDP2 all-gathers next
         # launch even when no parameter had a gradient: the neighbours wait on this round
         self._rounds.launch()
+        self._flat.publish()  # sharded parameters: what FSDP2 all-gathers next (after local steps' outer step)
 
     @guarded
     def synchronize(self) -> None:
@@ -334,7 +346,11 @@ class DecentralizedOptimizer(Optimizer):
         Does not wait for the round in flight: the first :meth:`step` after
         :meth:`load_state_dict` runs it again.
         """
-        return checkpoint.save(self)
+        packed = checkpoint.save(self)
+        entry = periodic.save(self._rounds, self._params_in_order())
+        if entry is not None:  # the anchors of local steps (mid-period resumes are exact)
+            packed[checkpoint.KEY][periodic.ENTRY] = entry
+        return packed
 
     @guarded
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -346,7 +362,15 @@ class DecentralizedOptimizer(Optimizer):
         per-parameter ``step``, or 0. Resuming works in both orders (model weights loaded
         before or after building the optimizer; see :class:`~decent_optim.optim.startup.Stash`).
         """
+        extra = state_dict.get(checkpoint.KEY)
+        entry = extra.get(periodic.ENTRY) if isinstance(extra, dict) else None
+        periodic.check(self._rounds, entry)
         checkpoint.load(self, state_dict)
+        periodic.restore(self._rounds, entry, self._params_in_order())
+
+    def _params_in_order(self) -> list[Tensor]:
+        """The parameters in torch.optim's state-dict order."""
+        return [p for group in self.param_groups for p in group["params"]]
 
     def _readopt(self) -> None:
         """Take back parameters moved with ``.to()`` or given new ``.data`` (see :mod:`~decent_optim.flat`)."""

@@ -37,6 +37,8 @@ class Options(TypedDict, total=False):
     differentiable: bool
     fused: bool | None
     compression: str | None
+    local_steps: int
+    outer: Any
 
 
 def with_defaults(

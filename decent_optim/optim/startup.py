@@ -76,6 +76,7 @@ _HINTS = {
     "bucket_cap_mb": "Pass the same bucket_cap_mb on every rank: the buckets are the messages",
     "compression": "Pass the same compression= on every rank: peers decode what they receive",
     "param groups": "Pass the same param groups on every rank",
+    "local_steps": "Pass the same local_steps= and outer= on every rank: the rounds must match",
 }
 _ITEM_HINT = (
     "Every rank must build the same model and give the optimizer its parameters in the same "
@@ -162,6 +163,7 @@ def connect(
     timeout: datetime.timedelta | None,
     global_avg_every: int | None,
     compression: str | None = None,
+    local_steps: str = "1, outer None",
 ) -> Connected:
     """Steps 1-4 of the module docstring for the parameters of each param group in ``groups``.
 
@@ -189,6 +191,7 @@ def connect(
             local_world_size = sharded.replicas_per_node(ranks, me)
         topo = topologies.get(topology, world_size, resolve_local_world_size(local_world_size))
         account = describe(groups, names, name, topo, global_avg_every, bucket_cap_mb, compression)
+        account.settings.insert(-1, ("local_steps", local_steps))
         account.settings.insert(1, ("optimizer number", str(number)))
         check_disjoint(every, [label for label, _ in account.items])
         own = None

@@ -32,6 +32,9 @@ that round's exchange, an iteration of round :math:`r` takes
 
 and the prediction is the mean of :math:`T_r` over the topology's period.
 
+With local steps (gossip every :math:`H` steps, and DiLoCo's all-reduce every :math:`H`) see
+:mod:`decent_optim.runtime.local_steps`.
+
 Assumptions
 -----------
 * Compute times are independent across workers and iterations and normal,
@@ -62,6 +65,7 @@ from decent_optim.runtime.links import (
     parse_rate,
     wire_bytes,
 )
+from decent_optim.runtime.local_steps import predict_diloco, predict_local_steps
 from decent_optim.runtime.model import (
     Prediction,
     Workload,
@@ -81,7 +85,9 @@ __all__ = [
     "gossip_round_times",
     "parse_rate",
     "predict_allreduce",
+    "predict_diloco",
     "predict_gossip",
+    "predict_local_steps",
     "recommend",
     "round_degrees",
     "wire_bytes",

@@ -1,0 +1,430 @@
+"""Time to quality: wall-clock until the consensus model reaches DDP's final held-out loss.
+
+One task for every method: the convergence study's character GPT (``examples/train_charlm.py``,
+CONTEXT 64, d_model 64, 2 layers; the study's 20,000-sentence text, 16 held-out batches of 32 x 64
+characters), global batch 32 split over the ranks, every rank drawing its batches from a
+generator seeded by (seed, rank, step): the same data order for every method. Schedule (the
+study's): linear warm-up then cosine to 10% of the peak over ``--steps``, then constant;
+gradient clipping at 1.0 (per worker; DDP: the reduced gradient); weight decay 0.1 on >=2-D
+parameters; AdamW betas (0.9, 0.95).
+
+DDP + AdamW trains ``--steps``; its final held-out loss is the target. Every other method trains
+until its consensus model (the mean of the workers' parameters) reaches the target, or
+``--max-steps-factor`` x ``--steps`` steps, or ``--time-limit-factor`` x DDP's wall-clock.
+Evaluation every ``--eval-every`` steps; the clock stops for it (a barrier on both sides, so the
+training time is the slowest rank's) and evaluation time is excluded from every number.
+
+Methods (``--methods``):
+
+* ``ddp``: DistributedDataParallel + torch.optim.AdamW, lr ``--lr``;
+* ``decentdp:<topology>``: Decent-DP 0.2.3 (``pip install decent-dp==0.2.3``), AdamW at
+  ``--lr`` x ``--decent-lr-factor`` (skipped with a note if it does not import);
+* ``decent:<topology>[+<compression>][:H<h>][:outer]``: ``DecentralizedAdamW``, optionally
+  compressed, gossiping every ``h`` steps (``local_steps=h``), with ``outer="diloco"``; lr
+  ``--lr`` x ``--decent-lr-factor`` for every-step and plain local gossip, ``--lr`` with an
+  outer step (as DiLoCo, whose inner optimizer keeps the baseline's rate);
+* ``diloco:H<h>``: DiLoCo written here: per-worker torch.optim.AdamW at ``--lr`` for ``h`` steps,
+  then an all-reduce of the pseudo-gradients (blocking, as in DiLoCo) and an outer SGD step with
+  lr 0.7 and Nesterov momentum 0.9 on the averaged pseudo-gradient (Douillard et al. 2023).
+
+The script is a launcher (as ``train_iteration.py``): under ``emulate-cluster`` it runs one
+``torchrun`` per method on each node; see ``time_to_quality.sh``. Results:
+``benchmarks/results/ttq_<tag>.{csv,md,json}`` and, with ``--plot``, ``ttq.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_METHODS = [
+    "ddp",
+    "decentdp:alternating-exp-ring",
+    "decent:alternating-exp-ring",
+    "decent:alternating-exp-ring+int8",
+    "diloco:H8",
+    "diloco:H32",
+    "decent:alternating-exp-ring:H4",
+    "decent:alternating-exp-ring+int8:H4",
+    "decent:alternating-exp-ring:H8:outer",
+]
+
+
+def parse_method(method: str) -> dict:
+    kind, _, spec = method.partition(":")
+    out = {"kind": kind, "topology": None, "compression": None, "H": 1, "outer": False}
+    parts = spec.split(":") if spec else []
+    if kind in ("decent", "decentdp") and parts:
+        out["topology"], _, comp = parts.pop(0).partition("+")
+        out["compression"] = comp or None
+    for p in parts:
+        if p.startswith("H"):
+            out["H"] = int(p[1:])
+        elif p == "outer":
+            out["outer"] = True
+        else:
+            raise SystemExit(f"bad method {method!r}: unknown part {p!r}")
+    if kind not in ("ddp", "decent", "decentdp", "diloco"):
+        raise SystemExit(f"unknown method {method!r}")
+    return out
+
+
+# -- one method on this rank ------------------------------------------------------------------------
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_charlm
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    m = parse_method(args.method)
+    local_batch = args.global_batch // n
+
+    text = train_charlm.make_corpus(n_sentences=20_000)
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    split = int(0.9 * len(data))
+    train, held_out = data[:split], data[split:]
+    val_gen = torch.Generator().manual_seed(12345)
+    val = [train_charlm.get_batch(held_out, 32, val_gen) for _ in range(args.val_batches)]
+
+    def batch(step: int):
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + step)
+        return train_charlm.get_batch(train, local_batch, gen)
+
+    def lr_factor(step: int) -> float:  # of the peak, for the step about to be taken
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    torch.manual_seed(args.seed)
+    model = train_charlm.CharGPT(len(chars))
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    groups = [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    betas = (0.9, 0.95)
+    decent_lr = args.lr * args.decent_lr_factor
+    net, opt, dl = model, None, None
+    if m["kind"] == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=betas)
+        peak = args.lr
+    elif m["kind"] == "decent":
+        import decent_optim as dopt
+
+        peak = args.lr if m["outer"] else decent_lr
+        opt = dopt.DecentralizedAdamW(
+            groups,
+            lr=peak,
+            betas=betas,
+            topology=m["topology"],
+            compression=m["compression"],
+            local_steps=m["H"],
+            outer="diloco" if m["outer"] else None,
+        )
+    elif m["kind"] == "diloco":
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=betas)
+        peak = args.lr
+        theta = torch.nn.utils.parameters_to_vector(params).detach().clone()
+        momentum = None
+    else:  # decentdp
+        from functools import partial
+
+        from decent_dp.ddp import DecentralizedDataParallel
+        from decent_dp.optim import optim_fn_adamw
+
+        peak = decent_lr
+        fn = partial(optim_fn_adamw, lr=peak, beta1=0.9, beta2=0.95, weight_decay=0.1)
+        net = DecentralizedDataParallel(
+            model,
+            optim_fn=fn,
+            lr_scheduler_fn=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lr_factor),
+            topology=m["topology"],
+            grad_clip_norm=1.0,
+        )
+        dl = net
+        net.train()
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        model.eval()
+        total = sum(float(F.cross_entropy(model(x).flatten(0, 1), y.flatten())) for x, y in val)
+        model.train()
+        return total / len(val)
+
+    @torch.no_grad()
+    def consensus_loss() -> float:
+        if m["kind"] == "ddp":
+            return evaluate()
+        if m["kind"] == "decent":
+            with opt.averaged(model):
+                return evaluate()
+        if dl is not None:
+            dl.global_avg(will_revert=True)
+            try:
+                return evaluate()
+            finally:
+                dl.revert_global_avg()
+        backup = [p.detach().clone() for p in params]  # DiLoCo mid-period: the workers' mean
+        for p in params:
+            dist.all_reduce(p.data)
+            p.data.div_(n)
+        loss = evaluate()
+        for p, b in zip(params, backup):
+            p.data.copy_(b)
+        return loss
+
+    target = None
+    if args.target_from:
+        target = json.loads(Path(args.target_from).read_text())["final_loss"]
+    max_steps = args.steps if m["kind"] == "ddp" else int(args.steps * args.max_steps_factor)
+    time_limit = None
+    if args.target_from and args.time_limit_factor:
+        time_limit = (
+            args.time_limit_factor * json.loads(Path(args.target_from).read_text())["train_s"]
+        )
+    rows, reached, train_s = [], None, 0.0
+    dist.barrier()
+    resumed = time.perf_counter()
+    for step in range(max_steps):
+        factor = lr_factor(step)
+        x, y = batch(step)
+        if dl is not None:
+            F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+        else:
+            for g in opt.param_groups:
+                g["lr"] = peak * factor
+            opt.zero_grad()
+            F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+        if m["kind"] == "diloco" and (step + 1) % m["H"] == 0:
+            with torch.no_grad():
+                delta = theta - torch.nn.utils.parameters_to_vector(params)
+                dist.all_reduce(delta)
+                delta.div_(n)
+                momentum = delta.clone() if momentum is None else momentum.mul_(0.9).add_(delta)
+                theta.sub_(delta.add_(momentum, alpha=0.9), alpha=0.7)
+                # copy (vector_to_parameters would make the parameters views of theta, and
+                # the inner steps would then move the outer parameters too)
+                start = 0
+                for p in params:
+                    p.data.copy_(theta[start : start + p.numel()].view_as(p))
+                    start += p.numel()
+        done = step + 1
+        if done % args.eval_every and done != max_steps:
+            continue
+        dist.barrier()  # the slowest rank's time; evaluation is not counted
+        train_s += time.perf_counter() - resumed
+        loss = consensus_loss()
+        rows.append({"step": done, "train_s": train_s, "val_loss": loss})
+        if rank == 0:
+            print(f"    {args.method}: step {done} {train_s:.1f}s loss {loss:.4f}", flush=True)
+        if target is not None and reached is None and loss <= target:
+            reached = train_s
+        stop = reached is not None or (time_limit is not None and train_s > time_limit)
+        dist.barrier()
+        resumed = time.perf_counter()
+        if stop:
+            break
+    if rank == 0:
+        out = {
+            "method": args.method,
+            "world_size": n,
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+            "steps": rows[-1]["step"],
+            "train_s": rows[-1]["train_s"],
+            "final_loss": rows[-1]["val_loss"],
+            "ms_per_step": rows[-1]["train_s"] / rows[-1]["step"] * 1e3,
+            "target": target,
+            "time_to_target_s": reached,
+            "peak_lr": peak,
+            "curve": rows,
+        }
+        Path(args.part).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+# -- launcher -------------------------------------------------------------------------------------
+def launch(args, rest: list[str]) -> None:
+    nnodes = int(os.environ.get("NNODES", 1))
+    node_rank = int(os.environ.get("NODE_RANK", 0))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = out / f".ttq_parts_{args.tag}"
+    parts.mkdir(exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONWARNINGS": "ignore"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    methods = list(args.methods)
+    if methods[0] != "ddp":
+        raise SystemExit("the first method must be ddp: its final loss is the target")
+    notes, rows = [], []
+    ddp_part = parts / "0.json"
+    for i, method in enumerate(methods):
+        if method.startswith("decentdp"):
+            probe = subprocess.run([sys.executable, "-c", "import decent_dp"], capture_output=True)
+            if probe.returncode:
+                notes.append(
+                    f"{method}: skipped, decent_dp does not import (pip install decent-dp==0.2.3)"
+                )
+                continue
+        part = parts / f"{i}.json"
+        part.unlink(missing_ok=True)
+        if nnodes > 1:
+            where = ["--nnodes", str(nnodes), "--node_rank", str(node_rank),
+                     "--master_addr", os.environ["MASTER_ADDR"],
+                     "--master_port", str(int(os.environ["MASTER_PORT"]) + 1 + i)]  # fmt: skip
+        else:
+            where = ["--standalone"]
+        target = [] if i == 0 else ["--target-from", str(ddp_part)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node",
+               str(args.nproc), __file__, "--worker", "--method", method, "--part", str(part),
+               *target, *rest]  # fmt: skip
+        if node_rank == 0:
+            print(f"[{i + 1}/{len(methods)}] {method} ...", flush=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"  {method} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+            notes.append(f"{method}: failed (exit {proc.returncode})")
+            if i == 0:
+                raise SystemExit("ddp failed: no target")
+            continue
+        if node_rank == 0:
+            print(proc.stdout, end="", flush=True)
+            rows.append(json.loads(part.read_text()))
+    if node_rank == 0 and rows:
+        write_results(args, nnodes, rows, notes)
+        shutil.rmtree(parts, ignore_errors=True)
+
+
+def write_results(args, nnodes: int, rows: list[dict], notes: list[str]) -> None:
+    out = Path(args.out)
+    ddp = rows[0]
+    load = os.getloadavg()
+    with open(out / f"ttq_{args.tag}.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["tag", "method", "step", "train_s", "val_loss"])
+        for r in rows:
+            for c in r["curve"]:
+                w.writerow(
+                    [
+                        args.tag,
+                        r["method"],
+                        c["step"],
+                        f"{c['train_s']:.3f}",
+                        f"{c['val_loss']:.6f}",
+                    ]
+                )
+    lines = [
+        f"`{args.tag}`: {nnodes} node(s) x {args.nproc} ranks, gloo, character GPT, global batch "
+        f"{args.global_batch}, DDP schedule {args.steps} steps (warm-up {args.warmup}), eval every "
+        f"{args.eval_every} steps (excluded), target = DDP's final held-out loss "
+        f"{ddp['final_loss']:.4f}; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
+        "",
+        "| method | time to target s | vs DDP | steps | ms / step | final loss | vs DDP loss |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = ddp["train_s"]
+    for r in rows:
+        t = r["train_s"] if r is ddp else r["time_to_target_s"]
+        when = f"{t:.1f}" if t is not None else f"not reached ({r['train_s']:.0f} s)"
+        ratio = f"{t / base:.2f}x" if t is not None else "-"
+        gap = (r["final_loss"] / ddp["final_loss"] - 1) * 100
+        lines.append(
+            f"| {r['method']} | {when} | {ratio} | {r['steps']} | {r['ms_per_step']:.1f} | "
+            f"{r['final_loss']:.4f} | {gap:+.2f}% |"
+        )
+    lines += [""] + [f"* {n}" for n in notes]
+    table = "\n".join(lines)
+    (out / f"ttq_{args.tag}.md").write_text(table + "\n")
+    meta = {"tag": args.tag, "argv": sys.argv[1:], "loadavg": load, "rows": rows, "notes": notes}
+    (out / f"ttq_{args.tag}.json").write_text(json.dumps(meta, indent=2))
+    print(table, flush=True)
+
+
+def plot(args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tags = args.plot
+    fig, axes = plt.subplots(1, len(tags), figsize=(6.5 * len(tags), 4.5), squeeze=False)
+    for ax, tag in zip(axes[0], tags):
+        meta = json.loads((Path(args.out) / f"ttq_{tag}.json").read_text())
+        for r in meta["rows"]:
+            curve = r["curve"]
+            ax.plot(
+                [c["train_s"] for c in curve], [c["val_loss"] for c in curve], label=r["method"]
+            )
+        ax.axhline(
+            meta["rows"][0]["final_loss"], color="k", lw=0.8, ls="--", label="target (DDP final)"
+        )
+        ax.set_title(f"{tag} (training time, evaluation excluded)")
+        ax.set_xlabel("wall-clock s")
+        ax.set_ylabel("held-out loss of the consensus model")
+        ax.set_ylim(top=min(ax.get_ylim()[1], 2 * meta["rows"][0]["final_loss"]))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(Path(args.out) / "ttq.png", dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nproc", type=int, default=2, help="ranks per node")
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
+    p.add_argument("--tag", default="local")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--plot", nargs="+", default=None, help="only plot these tags' results")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--method", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--target-from", default=None, help=argparse.SUPPRESS)
+    worker_args = argparse.ArgumentParser(add_help=False)
+    for q in (p, worker_args):
+        q.add_argument("--steps", type=int, default=1200, help="DDP's schedule")
+        q.add_argument("--warmup", type=int, default=240)
+        q.add_argument("--eval-every", type=int, default=96)
+        q.add_argument("--val-batches", type=int, default=16)
+        q.add_argument("--global-batch", type=int, default=32)
+        q.add_argument("--lr", type=float, default=6e-3, help="DDP's (the study's tuned rate)")
+        q.add_argument("--decent-lr-factor", type=float, default=2.0)
+        q.add_argument("--max-steps-factor", type=float, default=1.5)
+        q.add_argument("--time-limit-factor", type=float, default=3.0)
+        q.add_argument("--seed", type=int, default=0)
+        q.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = p.parse_args()
+    if args.plot:
+        plot(args)
+        return
+    if args.worker:
+        worker(args)
+        return
+    rest = []
+    for a in worker_args._actions:
+        rest += [a.option_strings[0], str(getattr(args, a.dest))]
+    launch(args, rest)
+
+
+if __name__ == "__main__":
+    main()
