@@ -16,17 +16,12 @@ import importlib.util
 import pytest
 import torch
 from _harness import run_world
+from _optimizers import EVERY_OPTIMIZER
 from torch import nn
 
 import decent_optim as dopt
 
-OPTIMIZERS = [
-    (dopt.DSGD, dict(lr=0.05, momentum=0.9)),
-    (dopt.DecentralizedAdam, dict(lr=0.01)),
-    (dopt.DecentralizedAdamW, dict(lr=0.01, weight_decay=0.1)),
-    (dopt.AccumAdam, dict(lr=0.01, accum_iter=2)),
-    (dopt.AccumAdamW, dict(lr=0.01, accum_iter=2)),
-]
+OPTIMIZERS = EVERY_OPTIMIZER
 STEPS, AT = 7, 3
 
 

@@ -16,18 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from _harness import run_world
+from _optimizers import EVERY_OPTIMIZER, TORCH_COUNTERPART
 from torch import nn
 
 import decent_optim as dopt
 from decent_optim import checkpoint
 
-OPTIMIZERS = [
-    (dopt.DSGD, dict(lr=0.05, momentum=0.9), torch.optim.SGD),
-    (dopt.DecentralizedAdam, dict(lr=0.01), torch.optim.Adam),
-    (dopt.DecentralizedAdamW, dict(lr=0.01, weight_decay=0.1), torch.optim.AdamW),
-    (dopt.AccumAdam, dict(lr=0.01, accum_iter=2), None),
-    (dopt.AccumAdamW, dict(lr=0.01, accum_iter=2), None),
-]
+OPTIMIZERS = [(cls, kw, TORCH_COUNTERPART.get(cls)) for cls, kw in EVERY_OPTIMIZER]
 SAVED_STEP = 5
 
 

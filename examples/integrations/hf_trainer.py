@@ -64,6 +64,8 @@ def main() -> None:
     trainer.save_model(f"{args.out}/final")  # every rank; rank 0 writes the consensus model
     if trainer.is_world_process_zero():
         print(f"eval loss of the consensus model: {metrics['eval_loss']:.4f}")
+    if torch.distributed.is_initialized():  # gloo's threads must not outlive the interpreter
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
