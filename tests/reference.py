@@ -289,3 +289,19 @@ def simulate_local(
             continue
         sent = ((t + 1) // local_steps, anchor.clone())
     return x
+
+
+def worker_gradients(model: torch.nn.Module, loss: Callable) -> Callable[[Tensor, int], Tensor]:
+    """``grads(x, t)`` for :func:`simulate`: row ``i`` is worker ``i``'s gradient of
+    ``loss(model, i, t)`` at the parameters ``x[i]`` (``model`` is used as scratch)."""
+
+    def grads(x: Tensor, t: int) -> Tensor:
+        rows = []
+        for i in range(x.shape[0]):
+            torch.nn.utils.vector_to_parameters(x[i].clone(), model.parameters())
+            model.zero_grad()
+            loss(model, i, t).backward()
+            rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        return torch.stack(rows)
+
+    return grads

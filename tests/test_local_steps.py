@@ -12,7 +12,7 @@ import io
 import pytest
 import torch
 from _harness import run_world
-from reference import CompressedMixing, Segment, simulate_local
+from reference import CompressedMixing, Segment, simulate_local, worker_gradients
 from test_optim_multiprocess import GROUP1, OPTIMIZERS, _loss, _model, _param_groups
 from test_optim_multiprocess import _reference as every_step_reference
 from torch import nn
@@ -72,14 +72,7 @@ def _reference(name, topology, n, local, steps, every, outer, compression=None):
     segments = [Segment(0, split, hyper), Segment(split, sum(sizes), {**hyper, **GROUP1})]
     x0 = _vector(model).repeat(n, 1)
 
-    def grads(x, t):
-        rows = []
-        for i in range(n):
-            nn.utils.vector_to_parameters(x[i].clone(), model.parameters())
-            model.zero_grad()
-            _loss(model, i, t).backward()
-            rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-        return torch.stack(rows)
+    grads = worker_gradients(model, _loss)
 
     topo = get_topology(topology, n, local)
     mixer = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _harness import run_world
-from reference import Segment, simulate
+from reference import Segment, simulate, worker_gradients
 from torch import nn
 
 import decent_optim as dopt
@@ -133,14 +133,7 @@ def _reference(name, topology, n, local, steps, skip_rank_step=None, *, skips=()
     x0 = nn.utils.parameters_to_vector(model.parameters()).detach().repeat(n, 1)
     skipped = set(skips) | ({skip_rank_step} if skip_rank_step else set())
 
-    def grads(x, t):
-        rows = []
-        for i in range(n):
-            nn.utils.vector_to_parameters(x[i].clone(), model.parameters())
-            model.zero_grad()
-            _loss(model, i, t).backward()
-            rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-        return torch.stack(rows)
+    grads = worker_gradients(model, _loss)
 
     if mixing is None:
         mixing = get_topology(topology, n, local).mixing_matrix
