@@ -321,6 +321,123 @@ def test_accelerate_prepare_accumulate_save_and_load_state_per_rank(tmp_path, sa
     assert results[0]["losses"] != results[1]["losses"]
 
 
+# -- HF Trainer and Accelerate: a checkpoint of 2 ranks resumed on 1 ---------------------------
+
+
+def _mean_of_saved(files, index=0):
+    """Each model tensor of the per-rank files, averaged in float64 (the independent reference)."""
+    saved = [torch.load(f, weights_only=True) for f in files]
+    models = [s["models"][index] for s in saved]
+    mean = {k: sum(m[k].double() for m in models) / len(models) for k in models[0]}
+    states = [s["optimizers"][index]["state"] for s in saved]
+    exp_avg = {i: sum(st[i]["exp_avg"].double() for st in states) / len(states) for i in states[0]}
+    return mean, exp_avg, saved
+
+
+def _assert_loaded_the_mean(loaded, files):
+    mean, exp_avg, saved = _mean_of_saved(files)
+    assert set(loaded["params"]) <= set(mean)
+    for name, value in loaded["params"].items():
+        torch.testing.assert_close(value.double(), mean[name], rtol=1e-6, atol=1e-7)
+        for s in saved:  # the copies differ, so the mean is no rank's own
+            assert not torch.equal(s["models"][0][name], value), name
+    for i, value in loaded["exp_avg"].items():
+        torch.testing.assert_close(value.double(), exp_avg[i], rtol=1e-6, atol=1e-7)
+    entry = loaded["entry"]
+    assert entry["world_size"] == 1 and entry["rank"] == 0
+    return saved
+
+
+def _loaded(model, opt):
+    """What the optimizer holds right after a load: its parameters (by name) and state."""
+    opt = common.unwrap(opt)
+    state = opt.state_dict()
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "exp_avg": {i: s["exp_avg"].clone() for i, s in state["state"].items()},
+        "entry": state["decent_optim"],
+    }
+
+
+def _hf_resize(rank, world_size, out, resume):
+    trainer = _hf_trainer(out, "optimizers", max_steps=8 if resume else 4)
+    if not resume:  # a checkpoint at step 4 (save_steps=4), on every rank
+        trainer.train()
+        return None
+    at_load = {}
+    load = trainer._load_optimizer_and_scheduler
+
+    def recording(checkpoint):
+        load(checkpoint)
+        if checkpoint is not None:
+            at_load.update(_loaded(trainer.model, trainer.optimizer))
+
+    trainer._load_optimizer_and_scheduler = recording
+    trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-4"))
+    entry = common.unwrap(trainer.optimizer).state_dict()["decent_optim"]
+    return at_load, trainer.state.global_step, len(trainer.losses), entry
+
+
+@needs_hf
+@pytest.mark.multiprocess
+def test_hf_trainer_resumes_two_ranks_checkpoint_on_one_from_their_mean(tmp_path):
+    run_world(_hf_resize, 2, str(tmp_path), False, timeout=300)
+    files = [tmp_path / "checkpoint-4" / f"decent_optim-rank{r}-of-2.pt" for r in range(2)]
+    ((at_load, global_step, steps, entry),) = run_world(
+        _hf_resize, 1, str(tmp_path), True, timeout=300
+    )
+    saved = _assert_loaded_the_mean(at_load, files)
+    assert saved[0]["optimizers"][0]["decent_optim"]["step"] == 4
+    assert at_load["entry"]["step"] == 4  # the round counter is kept
+    # steps 5 to 8 on the one rank, from the checkpoint's global step
+    assert global_step == 8 and steps == 4 and entry["step"] == 8 and entry["world_size"] == 1
+
+
+def _accelerate_resize(rank, world_size, out, resume):
+    from accelerate.state import AcceleratorState
+
+    from decent_optim.integrations.accelerate import DecentralizedAccelerator
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # another test's Accelerator
+    accelerator = DecentralizedAccelerator(cpu=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = dopt.DecentralizedAdamW(model.parameters(), lr=1e-2, topology="ring")
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    at_load = None
+    if resume:
+        accelerator.load_state(out)
+        at_load = _loaded(model, opt)
+    for i, (xb, yb) in enumerate(loader):
+        if i == 4:
+            break
+        opt.zero_grad()
+        accelerator.backward((model(xb) - yb).square().mean())
+        opt.step()
+    if not resume:
+        accelerator.save_state(out)
+    entry = common.unwrap(opt).state_dict()["decent_optim"]
+    # end_training destroys the process group; the worker pool's world group is kept
+    accelerator.state.destroy_process_group = lambda group=None: None
+    accelerator.end_training()
+    return at_load, entry
+
+
+@needs_hf
+@pytest.mark.multiprocess
+def test_accelerate_load_state_resumes_two_ranks_state_on_one_from_their_mean(tmp_path):
+    run_world(_accelerate_resize, 2, str(tmp_path), False, timeout=300)
+    files = [tmp_path / f"decent_optim-rank{r}-of-2.pt" for r in range(2)]
+    ((at_load, entry),) = run_world(_accelerate_resize, 1, str(tmp_path), True, timeout=300)
+    saved = _assert_loaded_the_mean(at_load, files)
+    assert saved[0]["optimizers"][0]["decent_optim"]["step"] == 4
+    assert at_load["entry"]["step"] == 4  # the round counter is kept
+    assert entry["step"] == 8 and entry["world_size"] == 1  # 4 more steps on the one rank
+
+
 # -- Lightning -------------------------------------------------------------------------------------
 
 
