@@ -340,19 +340,26 @@ def test_accumulation_clipping_averaged_distance_export():
             assert torch.allclose(export[k], r_export[k], rtol=0, atol=1e-12)
 
 
-def _mixed_precision(rank, world):
+def _mixed_precision_2x2(param_dtype):
+    """A small model sharded 2 x 2 under FSDP2's MixedPrecisionPolicy (``param_dtype`` compute,
+    fp32 parameters and reductions), its mesh and a DecentralizedAdamW over the replicas."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=mesh["shard"], mp_policy=policy)
     opt = decent_optim.DecentralizedAdamW(
         model.parameters(), lr=1e-2, process_group=mesh["replicate"]
     )
+    return model, mesh, opt
+
+
+def _mixed_precision(rank, world):
+    model, _, opt = _mixed_precision_2x2(torch.bfloat16)
     x, y = (t.float() for t in _batch(rank // 2, 0))
     losses = []
     for _ in range(5):
@@ -371,19 +378,9 @@ def test_mixed_precision_policy_trains_fp32_params_in_bf16():
 
 
 def _fp16_scaled(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    for layer in (model[0], model[2], model):
-        fully_shard(layer, mesh=mesh["shard"], mp_policy=policy)
-    opt = decent_optim.DecentralizedAdamW(
-        model.parameters(), lr=1e-2, process_group=mesh["replicate"]
-    )
+    model, mesh, opt = _mixed_precision_2x2(torch.float16)
     # found_inf is agreed over the shard group, so every shard of a replica skips alike
     scaler = ShardedGradScaler("cpu", init_scale=2.0**20, process_group=mesh["shard"].get_group())
     for step in range(6):
