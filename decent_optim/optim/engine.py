@@ -24,21 +24,17 @@ from decent_optim._validation import (
     check_timeout,
     check_unsupported,
 )
-from decent_optim.gossip.handle import NO_MIX, PendingMix
-from decent_optim.optim import checkpoint, consensus
+from decent_optim.optim import checkpoint, consensus, local_checkpoint, stepping
 from decent_optim.optim import local_steps as periodic
 from decent_optim.optim.failure import FailureLatch, guarded, guarded_block
-from decent_optim.optim.inputs import AveragedCheck, check_membership, gradients
+from decent_optim.optim.inputs import AveragedCheck
 from decent_optim.optim.options import ParamsT, with_defaults
 from decent_optim.optim.startup import connect
 from decent_optim.optim.state import FlatState
-from decent_optim.rules.base import Amp, Batch, UpdateRule
+from decent_optim.rules.base import UpdateRule
 from decent_optim.topologies import Topology
 
 __all__ = ["DecentralizedOptimizer"]
-
-#: one bucket's update in a step: its index, batch, param group, mix left to apply, GradScaler values
-Work = tuple[int, Batch, dict[str, Any], PendingMix, Amp]
 
 
 class DecentralizedOptimizer(Optimizer):
@@ -209,11 +205,7 @@ class DecentralizedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Under torch.compile only the update rule is traced; the gossip, the checks and the
-        # bookkeeping run eagerly (see _prepare). Traced, the in-place mix of a bucket and the
-        # rule's writes through the parameters would look like unrelated tensors to the compiler:
-        # each parameter's `.data` aliases its bucket with a storage of its own
-        # (decent_optim.flat), so the graph read the parameters before the mix was written.
+        # under torch.compile only the update rule is traced (see decent_optim.optim.stepping)
         work = self._prepare(torch.compiler.is_compiling())
         for _, batch, group, mix, amp in work:
             self.rule.update(batch, group, mix=mix, amp=amp)
@@ -222,53 +214,15 @@ class DecentralizedOptimizer(Optimizer):
 
     @torch._dynamo.disable  # type: ignore[misc]
     @guarded
-    def _prepare(self, traced: bool) -> list[Work]:
-        """Everything a step does before the rule: checks, the round's wait and mix, the batches.
-
-        ``traced``: the step is being compiled; every mix is then applied here, eagerly, and the
-        rule gets per-parameter batches with nothing left to mix.
-        """
-        check_membership(self._member, self.param_groups, self._group_params)
-        self._readopt()
-        grads = gradients(
-            self._flat,
-            self._frozen,
-            type(self).__name__,
-            first=not self._rounds.count and not self.state,
-        )
-        self._stash = None  # training has begun from the broadcast values
-        if not self._averaged.done:  # were the gradients all-reduced (DDP) already?
-            self._averaged.step(grads, self._rounds.gossip, self._flat, type(self).__name__)
-        if self._flat_state.stale:
-            self._flat_state.rebind(self.state, self.param_groups)
-        mixes = self._rounds.take()
-        # set by GradScaler.step
-        amp = Amp(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-        work = []
-        for index, bucket in enumerate(self._flat.buckets):
-            group = self.param_groups[bucket.group_index]
-            batch, mix = self._flat_state.batch(
-                index,
-                self.state,
-                group,
-                grads[index],
-                NO_MIX if mixes is None else mixes[index],
-                self._rounds.gossip.idle_buffer,
-                traced=traced,
-            )
-            if batch is not None:
-                work.append((index, batch, group, mix, amp))
-        return work
+    def _prepare(self, traced: bool) -> list[stepping.Work]:
+        """Everything a step does before the rule (:func:`~decent_optim.optim.stepping.prepare`)."""
+        return stepping.prepare(self, traced)
 
     @torch._dynamo.disable  # type: ignore[misc]
     @guarded
-    def _conclude(self, work: list[Work]) -> None:
-        """After the rule: count the updates, publish sharded values, and launch the next round."""
-        for index, batch, _, _, amp in work:
-            self._flat_state.updated(index, batch, amp.active)
-        # launch even when no parameter had a gradient: the neighbours wait on this round
-        self._rounds.launch()
-        self._flat.publish()  # sharded parameters: what FSDP2 all-gathers next (after local steps' outer step)
+    def _conclude(self, work: list[stepping.Work]) -> None:
+        """Everything a step does after the rule (:func:`~decent_optim.optim.stepping.conclude`)."""
+        stepping.conclude(self, work)
 
     @guarded
     def synchronize(self) -> None:
@@ -347,9 +301,9 @@ class DecentralizedOptimizer(Optimizer):
         :meth:`load_state_dict` runs it again.
         """
         packed = checkpoint.save(self)
-        entry = periodic.save(self._rounds, self._params_in_order())
+        entry = local_checkpoint.save(self._rounds, self._params_in_order())
         if entry is not None:  # the anchors of local steps (mid-period resumes are exact)
-            packed[checkpoint.KEY][periodic.ENTRY] = entry
+            packed[checkpoint.KEY][local_checkpoint.ENTRY] = entry
         return packed
 
     @guarded
@@ -363,10 +317,10 @@ class DecentralizedOptimizer(Optimizer):
         before or after building the optimizer; see :class:`~decent_optim.optim.startup.Stash`).
         """
         extra = state_dict.get(checkpoint.KEY)
-        entry = extra.get(periodic.ENTRY) if isinstance(extra, dict) else None
-        periodic.check(self._rounds, entry)
+        entry = extra.get(local_checkpoint.ENTRY) if isinstance(extra, dict) else None
+        local_checkpoint.check(self._rounds, entry)
         checkpoint.load(self, state_dict)
-        periodic.restore(self._rounds, entry, self._params_in_order())
+        local_checkpoint.restore(self._rounds, entry, self._params_in_order())
 
     def _params_in_order(self) -> list[Tensor]:
         """The parameters in torch.optim's state-dict order."""

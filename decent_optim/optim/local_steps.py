@@ -28,7 +28,8 @@ disagreement of the :math:`\theta_i` by :math:`W` every round; the derivation is
 ``docs/algorithms.rst`` ("Local steps"). ``outer=OuterSGD(lr=1, momentum=0)`` is the plain mode.
 
 The anchors travel, never the parameters, so parameters may be written at any time; the anchor
-is never written while its round travels. ``local_steps=1`` without ``outer`` is not this class
+is never written while its round travels. Checkpoints of the anchors:
+:mod:`~decent_optim.optim.local_checkpoint`. ``local_steps=1`` without ``outer`` is not this class
 but the ordinary :class:`~decent_optim.optim.rounds.Rounds` (every-step gossip, bit for bit).
 """
 
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,10 +45,7 @@ from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
 from decent_optim.optim.rounds import Rounds
 
-__all__ = ["OuterSGD", "LocalRounds", "check_local_steps", "make_rounds", "restore", "save"]
-
-#: the key of the anchors in ``state_dict()["decent_optim"]``
-ENTRY = "local_steps"
+__all__ = ["OuterSGD", "LocalRounds", "check_local_steps", "make_rounds"]
 
 
 @dataclass(frozen=True)
@@ -263,65 +260,3 @@ class LocalRounds(Rounds):
             self.anchor, start // self.local_steps, global_average=global_average
         )
         return None if handle.is_noop else handle
-
-
-# -- checkpoints ----------------------------------------------------------------------------------
-
-
-def save(rounds: Rounds, params: list[Tensor]) -> dict[str, Any] | None:
-    """The anchors and outer momentum per parameter (``params``: the optimizer's parameters in
-    state-dict order), or None for every-step gossip."""
-    if not isinstance(rounds, LocalRounds):
-        return None
-    index = {id(p): i for i, p in enumerate(params)}
-    entry: dict[str, Any] = {"local_steps": rounds.local_steps, "outer": repr(rounds.outer)}
-    for key, flats in (("anchor", rounds.anchor), ("outer_momentum", rounds.momentum)):
-        if flats is None:
-            continue
-        entry[key] = {
-            index[id(p)]: view.clone()
-            for bucket, flat in zip(rounds._flat.buckets, flats)
-            for p, view in zip(bucket.params, bucket.views(flat))
-        }
-    return entry
-
-
-def check(rounds: Rounds, entry: Any) -> None:
-    """Raise, before anything changes, if a checkpoint's local steps differ from the optimizer's."""
-    local = rounds.local_steps if isinstance(rounds, LocalRounds) else 1
-    outer = repr(rounds.outer) if isinstance(rounds, LocalRounds) else repr(None)
-    if entry is None:
-        return  # every-step gossip, or a torch.optim checkpoint: the anchors restart
-    if not isinstance(entry, dict) or "local_steps" not in entry:
-        raise ValueError(f"state_dict['decent_optim'][{ENTRY!r}] is not what state_dict() saved")
-    if (entry["local_steps"], entry.get("outer")) != (local, outer):
-        raise ValueError(
-            f"the checkpoint was saved with local_steps={entry['local_steps']}, outer="
-            f"{entry.get('outer')}; this optimizer has local_steps={local}, outer={outer}: build "
-            "it with the settings of the saved run"
-        )
-
-
-def restore(rounds: Rounds, entry: dict[str, Any] | None, params: list[Tensor]) -> None:
-    """Put a checkpoint's anchors and momentum back (after :meth:`LocalRounds.reset`)."""
-    if entry is None or not isinstance(rounds, LocalRounds):
-        return
-    index = {id(p): i for i, p in enumerate(params)}
-    for key in ("anchor", "outer_momentum"):
-        saved = entry.get(key)
-        if saved is None:
-            continue
-        flats = [torch.empty_like(b) for b in rounds._flat.buffers]
-        for bucket, flat in zip(rounds._flat.buckets, flats):
-            for p, view in zip(bucket.params, bucket.views(flat)):
-                value = saved.get(index[id(p)])
-                if not isinstance(value, Tensor) or value.shape != p.shape:
-                    raise ValueError(
-                        f"state_dict['decent_optim'][{ENTRY!r}][{key!r}] has no tensor of shape "
-                        f"{tuple(p.shape)} for parameter {index[id(p)]}"
-                    )
-                view.copy_(value)
-        if key == "anchor":
-            rounds.anchor = flats
-        else:
-            rounds.momentum = flats

@@ -6,7 +6,7 @@ A parameter becomes a view of one optimizer's flat buffer (:mod:`decent_optim.fl
   step from then on (:meth:`Membership.claim`) -- torch.optim would let both update it;
 * two parameters must not share memory (tied weights made as two ``Parameter`` objects over one
   tensor, or one parameter given twice): each would get a place of its own in the buffer and
-  the tie would be lost, so :func:`~decent_optim.flat.check_disjoint` refuses them;
+  the tie would be lost, so :func:`~decent_optim.flat_checks.check_disjoint` refuses them;
 * optimizers sharing a process group get a *slot* each, the lowest free one on every rank
   (:meth:`Membership.slots_taken` is gathered at start-up), which picks their channel and
   message tags (:func:`~decent_optim.gossip.collectives.channel`), and a *number*, the order in

@@ -41,7 +41,8 @@ from torch import Tensor
 
 from decent_optim import sharded, topologies
 from decent_optim._validation import resolve_local_world_size
-from decent_optim.flat import FlatParams, check_disjoint, check_flattenable
+from decent_optim.flat import FlatParams
+from decent_optim.flat_checks import check_disjoint, check_flattenable
 from decent_optim.gossip import (
     Gossiper,
     LocalGossiper,

@@ -1,0 +1,82 @@
+"""Checkpoints of local steps: the anchors and outer momentum, in ``state_dict()["decent_optim"]``.
+
+With ``local_steps > 1`` a rank's state includes what :mod:`~decent_optim.optim.local_steps`
+keeps per bucket besides the parameters: the anchor (what the rank last sent, or its outer
+parameters) and, with outer momentum, the momentum buffer. They are saved per parameter, in
+torch.optim's state-dict order, under the :data:`ENTRY` key of the package's entry, so that a
+resume in the middle of a period is exact. Every-step gossip saves nothing here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from decent_optim.optim.local_steps import LocalRounds
+from decent_optim.optim.rounds import Rounds
+
+__all__ = ["ENTRY", "check", "restore", "save"]
+
+#: the key of the anchors in ``state_dict()["decent_optim"]``
+ENTRY = "local_steps"
+
+
+def save(rounds: Rounds, params: list[Tensor]) -> dict[str, Any] | None:
+    """The anchors and outer momentum per parameter (``params``: the optimizer's parameters in
+    state-dict order), or None for every-step gossip."""
+    if not isinstance(rounds, LocalRounds):
+        return None
+    index = {id(p): i for i, p in enumerate(params)}
+    entry: dict[str, Any] = {"local_steps": rounds.local_steps, "outer": repr(rounds.outer)}
+    for key, flats in (("anchor", rounds.anchor), ("outer_momentum", rounds.momentum)):
+        if flats is None:
+            continue
+        entry[key] = {
+            index[id(p)]: view.clone()
+            for bucket, flat in zip(rounds._flat.buckets, flats)
+            for p, view in zip(bucket.params, bucket.views(flat))
+        }
+    return entry
+
+
+def check(rounds: Rounds, entry: Any) -> None:
+    """Raise, before anything changes, if a checkpoint's local steps differ from the optimizer's."""
+    local = rounds.local_steps if isinstance(rounds, LocalRounds) else 1
+    outer = repr(rounds.outer) if isinstance(rounds, LocalRounds) else repr(None)
+    if entry is None:
+        return  # every-step gossip, or a torch.optim checkpoint: the anchors restart
+    if not isinstance(entry, dict) or "local_steps" not in entry:
+        raise ValueError(f"state_dict['decent_optim'][{ENTRY!r}] is not what state_dict() saved")
+    if (entry["local_steps"], entry.get("outer")) != (local, outer):
+        raise ValueError(
+            f"the checkpoint was saved with local_steps={entry['local_steps']}, outer="
+            f"{entry.get('outer')}; this optimizer has local_steps={local}, outer={outer}: build "
+            "it with the settings of the saved run"
+        )
+
+
+def restore(rounds: Rounds, entry: dict[str, Any] | None, params: list[Tensor]) -> None:
+    """Put a checkpoint's anchors and momentum back (after :meth:`LocalRounds.reset`)."""
+    if entry is None or not isinstance(rounds, LocalRounds):
+        return
+    index = {id(p): i for i, p in enumerate(params)}
+    for key in ("anchor", "outer_momentum"):
+        saved = entry.get(key)
+        if saved is None:
+            continue
+        flats = [torch.empty_like(b) for b in rounds._flat.buffers]
+        for bucket, flat in zip(rounds._flat.buckets, flats):
+            for p, view in zip(bucket.params, bucket.views(flat)):
+                value = saved.get(index[id(p)])
+                if not isinstance(value, Tensor) or value.shape != p.shape:
+                    raise ValueError(
+                        f"state_dict['decent_optim'][{ENTRY!r}][{key!r}] has no tensor of shape "
+                        f"{tuple(p.shape)} for parameter {index[id(p)]}"
+                    )
+                view.copy_(value)
+        if key == "anchor":
+            rounds.anchor = flats
+        else:
+            rounds.momentum = flats
