@@ -5,12 +5,16 @@ The reference is torch.optim with the same writes (world size 1: the optimizers 
 
 from __future__ import annotations
 
+import gc
 import pickle
+import weakref
 
 import pytest
 import torch
 
 import decent_optim as dopt
+from decent_optim.flat import FlatParams
+from decent_optim.optim.state import FlatState
 
 
 def _pair(cls, torch_cls, torch_kw=None, **kw):
@@ -123,3 +127,38 @@ def test_optimizer_state_pickles_as_plain_dicts():
     packed = pickle.loads(pickle.dumps(a.state_dict()))
     assert type(packed["state"]) is dict and all(type(v) is dict for v in packed["state"].values())
     assert type(pickle.loads(pickle.dumps(a.state))).__name__ == "defaultdict"
+
+
+def _flat_state_of_one_bucket():
+    p = torch.nn.Parameter(torch.ones(5))
+    p.grad = torch.full((5,), 2.0)
+    flat = FlatParams([[p]], bucket_cap_mb=1)
+    return flat.buckets[0], FlatState(flat.buckets, dopt.DecentralizedAdamW.rule), p.grad
+
+
+def test_own_gradient_buffer_is_freed_once_the_gossip_lends_one():
+    # every-step gossip has no receive buffer to lend at the first step only: the buffer made
+    # for that step must not stay allocated (it was a parameter-sized copy kept for good)
+    bucket, state, grad = _flat_state_of_one_bucket()
+    lent = torch.empty_like(bucket.data)
+    first = state._flat_grads(0, bucket, [grad], lambda i, like: None)
+    assert torch.equal(first, grad)
+    own = weakref.ref(first)
+    del first
+    for _ in range(3):
+        assert state._flat_grads(0, bucket, [grad], lambda i, like: lent) is lent
+        assert torch.equal(lent, grad)
+    gc.collect()
+    assert own() is None
+
+
+def test_own_gradient_buffer_is_kept_where_the_gossip_seldom_lends():
+    # local steps: a round travels through most steps; re-making the buffer every period would
+    # allocate a parameter-sized tensor every few steps
+    bucket, state, grad = _flat_state_of_one_bucket()
+    lent = torch.empty_like(bucket.data)
+    pattern = [None, lent, None, lent, None, None, lent, None]
+    bufs = [state._flat_grads(0, bucket, [grad], lambda i, like, b=b: b) for b in pattern]
+    assert all(torch.equal(b, grad) for b in bufs)
+    own = {id(b) for b, lend in zip(bufs, pattern) if lend is None}
+    assert len(own) == 2  # the first step's, freed; then one made again and kept

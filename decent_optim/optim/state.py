@@ -54,6 +54,7 @@ class FlatState:
         self._bound = [[False] * len(b.params) for b in buckets]  # param has flat state
         self._counts = [_Counts() for _ in buckets]
         self._scratch: dict[int, Tensor] = {}  # own flat-gradient buffers, when gossip lends none
+        self._scratch_uses: dict[int, int] = {}
         self._grad_views: dict[int, tuple[Tensor, list[Tensor]]] = {}
 
     def notify(self) -> None:
@@ -254,12 +255,18 @@ class FlatState:
 
         The gossip's idle receive buffer of the bucket when it lends one (between mixing and the
         next round it holds nothing anyone needs), so the copy costs no memory; else our own.
+        Every-step gossip lends none only at the first step (no round has allocated its buffers
+        yet): our own buffer is then freed once the gossip lends one. Where the gossip seldom
+        lends (local steps: a round travels through most steps) it is kept, not re-allocated.
         """
         buf = idle_buffer(index, bucket.data)
         if buf is None:
             buf = self._scratch.get(index)
             if buf is None:
                 buf = self._scratch[index] = torch.empty_like(bucket.data)
+            self._scratch_uses[index] = self._scratch_uses.get(index, 0) + 1
+        elif self._scratch_uses.get(index) == 1:  # used once (the first step): free it
+            self._scratch.pop(index, None)  # (needed again later, it is re-made and then kept)
         cached = self._grad_views.get(index)
         if cached is None or cached[0] is not buf:
             cached = self._grad_views[index] = (buf, bucket.views(buf))
