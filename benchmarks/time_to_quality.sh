@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Time to quality on the emulated cluster: 2 nodes x 2 ranks, one run per link rate, then the plot.
+# Time to quality on the emulated cluster: 2 nodes x 2 ranks (TTQ_NODES, TTQ_NPROC), one run per
+# link rate, then the plot.
 # Needs root (network namespaces); one benchmark at a time on the machine (flock).
 #   benchmarks/time_to_quality.sh [RATE ...]          default: 1gbit 100mbit
 # Options for time_to_quality.py go in $TTQ_ARGS, e.g. the reduced size of the docs:
@@ -13,8 +14,8 @@ rates=("$@")
 ((${#rates[@]})) || rates=(1gbit 100mbit)
 for rate in "${rates[@]}"; do
   echo "== link rate $rate; load average: $(cut -d' ' -f1-3 /proc/loadavg)"
-  flock /tmp/emulate.lock "$emulate" --nodes 2 --rate "$rate" --timeout "${TTQ_TIMEOUT:-3600}" -- \
-    bash -c "$python benchmarks/time_to_quality.py --nproc 2 --tag $rate${TTQ_SUFFIX:-} ${TTQ_ARGS:-}"
+  flock /tmp/emulate.lock "$emulate" --nodes "${TTQ_NODES:-2}" --rate "$rate" --timeout "${TTQ_TIMEOUT:-3600}" -- \
+    bash -c "$python benchmarks/time_to_quality.py --nproc ${TTQ_NPROC:-2} --tag $rate${TTQ_SUFFIX:-} ${TTQ_ARGS:-}"
 done
 "$python" benchmarks/time_to_quality.py --plot "${rates[@]/%/${TTQ_SUFFIX:-}}"
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
