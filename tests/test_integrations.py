@@ -218,8 +218,13 @@ def _hf_refuses_a_torch_optimizer(rank, world_size, out):
 
     args = TrainingArguments(out, max_steps=1, report_to=[], use_cpu=True, disable_tqdm=True)
     trainer = DecentralizedTrainer(model=_gpt2(), args=args, train_dataset=_Tokens(8, 1))
+    return _type_error_of(trainer.train)
+
+
+def _type_error_of(train) -> str:
+    """The message of the TypeError ``train()`` raises, or "trained" when it raises none."""
     try:
-        trainer.train()
+        train()
     except TypeError as err:
         return str(err)
     return "trained"
@@ -558,11 +563,7 @@ def _lightning_refuses_a_torch_optimizer(rank, world_size, out):
         max_epochs=1, strategy=DecentralizedStrategy(), accelerator="cpu", devices=2,
         logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=out,
     )  # fmt: skip
-    try:
-        trainer.fit(Plain(), _regression_data(1, 16))
-    except TypeError as err:
-        return str(err)
-    return "trained"
+    return _type_error_of(lambda: trainer.fit(Plain(), _regression_data(1, 16)))
 
 
 @needs_lightning
