@@ -196,13 +196,18 @@ def _check_owner(optimizer: Checkpointed, extra: Any) -> None:
     if saved is not None and saved != optimizer.world_size:
         raise ValueError(
             f"the checkpoint was saved by a run of {saved} ranks, this one has "
-            f"{optimizer.world_size}: resume with the world size it was saved with {fix}"
+            f"{optimizer.world_size}: resume with the world size it was saved with, or save "
+            "with decent_optim.checkpoint.save(dir, model, opt, step=step) and resume with "
+            f"decent_optim.checkpoint.load(dir, model, opt), which resumes at another world size {fix}"
         )
     saved = extra.get("rank")
     if saved is not None and saved != optimizer.rank:
         raise ValueError(
-            f"rank {optimizer.rank} loaded the checkpoint saved by rank {saved}: every rank loads "
-            f"the file it saved (e.g. f'ckpt-rank{{rank}}.pt'; Accelerate's, the HF Trainer's and "
+            f"rank {optimizer.rank} loaded the checkpoint saved by rank {saved}: every rank saves "
+            "and loads a file of its own (torch.save on every rank to f'ckpt-rank{rank}.pt', or "
+            "decent_optim.checkpoint.save(dir, model, opt, step=step) and load(dir, model, opt), "
+            "which do that for you; "
+            "Accelerate's, the HF Trainer's and "
             "Lightning's own checkpoints hold rank 0's state only: use DecentralizedAccelerator, "
             "DecentralizedTrainer or, with Lightning, "
             "decent_optim.integrations.lightning.DecentralizedStrategy, which keep a file per "
