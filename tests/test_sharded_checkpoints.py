@@ -1,0 +1,238 @@
+"""Checkpoints of FSDP2-sharded replicas: DCP's save over several replicas refused, a resume after a
+real kill, a per-replica checkpoint into another shard count (decent_optim.gossip.dcp_guard).
+
+The model, the mesh and the training steps are those of ``tests/test_sharded.py``; the reference
+is always the uninterrupted run, compared bit for bit in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import pytest
+import torch
+from _harness import WorldError, run_world, run_world_fresh
+from test_sharded import _build, _full, _steps
+
+import decent_optim
+from decent_optim.optim.checkpoint import KEY
+
+pytestmark = pytest.mark.multiprocess
+
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def _full_state(model, opt) -> list[list[torch.Tensor]]:
+    """Every parameter's optimizer state, as whole tensors (a collective over the shards)."""
+    return [[_full_tensor(opt.state[p][k]) for k in _STATE_KEYS] for p in model.parameters()]
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+
+
+def _dcp_state(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def _dcp_save_replica(model, opt, mesh, path: str, replica: int) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    group = mesh["shard"].get_group()
+    dcp.save(_dcp_state(model, opt), checkpoint_id=f"{path}/replica{replica}", process_group=group)
+
+
+def _dcp_load_replica(model, opt, mesh, path: str, replica: int) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _dcp_state(model, opt)
+    group = mesh["shard"].get_group()
+    dcp.load(state, checkpoint_id=f"{path}/replica{replica}", process_group=group)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+# -- a save over several replicas ------------------------------------------------------------------
+
+
+def _save_over(rank, world, path, how):
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, _ = _build()
+    _steps(model, opt, rank // 2, 0, 2)
+    try:
+        if how == "world":
+            dcp.save(_dcp_state(model, opt), checkpoint_id=path)
+        elif how == "averaged, with the optimizer":  # the optimizer states are not averaged
+            with opt.averaged(model):
+                dcp.save(_dcp_state(model, opt), checkpoint_id=path)
+        else:  # a replica's shard 0 with the other replica's shard 1
+            import torch.distributed as dist
+
+            crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+            which = 0 if rank in (0, 3) else 1
+            dcp.save(
+                _dcp_state(model, opt), checkpoint_id=f"{path}{which}", process_group=crossed[which]
+            )
+    except BaseException as err:  # DCP raises CheckpointException, a BaseException
+        return type(err).__name__, str(err)
+    return None
+
+
+@pytest.mark.parametrize("how", ["world", "averaged, with the optimizer", "crossed"])
+def test_a_save_over_several_replicas_is_refused_on_every_rank_before_writing(how, tmp_path):
+    results = run_world(_save_over, 4, str(tmp_path / "ckpt"), how)
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} saved a mix of replicas"
+        name, message = result
+        assert name == "CheckpointException", result
+        assert "more than one replica of the model" in message, message
+        assert "process_group=mesh['shard'].get_group()" in message, message
+        assert "opt.averaged(model)" in message, message
+    written = [f for _, _, files in os.walk(tmp_path) for f in files]
+    assert written == [], written
+
+
+def _one_replica(rank, world, path, phase):
+    # one replica of 4 shards: a save over all ranks is a save of the replica
+    model, opt, mesh = _build(1, 4)
+    if phase == "save":
+        import torch.distributed.checkpoint as dcp
+
+        _steps(model, opt, 0, 0, 3)
+        dcp.save(_dcp_state(model, opt), checkpoint_id=path)
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = _dcp_state(model, opt)
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _steps(model, opt, 0, 3, 2)
+    return _full(model), _full_state(model, opt)
+
+
+def test_one_replica_still_saves_over_all_ranks(tmp_path):
+    straight = run_world(_one_replica, 4, str(tmp_path), "save")
+    resumed = run_world(_one_replica, 4, str(tmp_path), "load")
+    assert _equal(straight, resumed)
+
+
+def _outside_dcp(rank, world, path):
+    model, opt, _ = _build()
+    _steps(model, opt, rank // 2, 0, 2)
+    saved = opt.state_dict()
+    guard = saved["param_groups"][0][KEY]["replica"]
+    deep = copy.deepcopy(saved)["param_groups"][0][KEY]["replica"]
+    torch.save(saved, f"{path}/rank{rank}.pt")
+    loaded = torch.load(f"{path}/rank{rank}.pt", weights_only=True)  # no class of ours in it
+    opt.load_state_dict(loaded)
+    _steps(model, opt, rank // 2, 2, 1)
+    plain = decent_optim.DecentralizedAdamW(torch.nn.Linear(2, 1).parameters())
+    return (
+        int(guard),
+        type(deep) is type(guard),
+        loaded["param_groups"][0][KEY]["replica"],
+        KEY in plain.state_dict()["param_groups"][0],
+    )
+
+
+def test_the_guard_is_a_plain_number_outside_dcp(tmp_path):
+    for rank, (guard, kept, stored, plain) in enumerate(run_world(_outside_dcp, 4, str(tmp_path))):
+        assert guard == rank // 2 and kept
+        assert isinstance(stored, torch.Tensor) and int(stored) == rank // 2
+        assert not plain  # an unsharded optimizer's state dict is unchanged
+
+
+# -- a resume after a kill ---------------------------------------------------------------------------
+
+
+def _trained(rank, world, steps):
+    model, opt, _ = _build()
+    _steps(model, opt, rank // 2, 0, steps)
+    return _full(model), _full_state(model, opt)
+
+
+def _killed(rank, world, path, saved_at, kill_at):
+    """Train, checkpoint both ways at ``saved_at``, train on; rank 0 SIGKILLs itself after step
+    ``kill_at`` (a round in flight), and the harness SIGKILLs the others, blocked on it."""
+    model, opt, mesh = _build()
+    replica = rank // 2
+    _steps(model, opt, replica, 0, saved_at)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{path}/rank{rank}.pt")
+    _dcp_save_replica(model, opt, mesh, path, replica)
+    _steps(model, opt, replica, saved_at, kill_at - saved_at)
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _steps(model, opt, replica, kill_at, 100)
+    return "not killed"
+
+
+def _resumed(rank, world, path, how, saved_at, steps):
+    model, opt, mesh = _build()
+    if how == "torch.save":
+        saved = torch.load(f"{path}/rank{rank}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    else:
+        _dcp_load_replica(model, opt, mesh, path, rank // 2)
+    _steps(model, opt, rank // 2, saved_at, steps - saved_at)
+    return _full(model), _full_state(model, opt)
+
+
+def test_resume_after_a_kill_is_bit_exact(tmp_path):
+    saved_at, kill_at, steps = 3, 5, 7
+    with pytest.raises(WorldError) as killed:
+        run_world_fresh(_killed, 4, str(tmp_path), saved_at, kill_at, timeout=60)
+    assert "exit code -9" in killed.value.failures[0], killed.value.failures
+    straight = run_world(_trained, 4, steps)
+    for how in ("torch.save", "dcp"):
+        resumed = run_world_fresh(_resumed, 4, str(tmp_path), how, saved_at, steps)
+        for rank in range(4):
+            assert _equal(resumed[rank], straight[rank]), (how, rank)
+
+
+# -- another shard count ---------------------------------------------------------------------------
+
+
+def _into_shards(rank, world, path, shards):
+    """2 replicas x 2 shards save per replica at step 3 and go on to step 6; or 2 replicas x
+    ``shards`` shards resume from those checkpoints and go on to step 6."""
+    replica = rank // shards
+    if shards == 2:
+        model, opt, mesh = _build(2, 2)
+        _steps(model, opt, replica, 0, 3)
+        _dcp_save_replica(model, opt, mesh, path, replica)
+    else:
+        model, opt, mesh = _build(2, shards)
+        _dcp_load_replica(model, opt, mesh, path, replica)
+        assert opt._rounds.count == 3
+    _steps(model, opt, replica, 3, 3)
+    return replica, _full(model), _full_state(model, opt)
+
+
+@pytest.mark.parametrize("shards", [1])
+def test_a_replica_checkpoint_resumes_at_another_shard_count(shards, tmp_path):
+    straight = run_world(_into_shards, 4, str(tmp_path), 2)
+    resumed = run_world(_into_shards, 2 * shards, str(tmp_path), shards)
+    for replica, params, state in resumed:
+        _, want_params, want_state = straight[2 * replica]
+        worst = max(float((a - b).abs().max()) for a, b in zip(params, want_params))
+        worst_state = max(
+            float((a - b).abs().max()) for x, y in zip(state, want_state) for a, b in zip(x, y)
+        )
+        print(
+            f"replica {replica}: max |params - uninterrupted| = {worst:.3g}, state {worst_state:.3g}"
+        )
+        assert worst <= 1e-12 and worst_state <= 1e-12
