@@ -8,6 +8,7 @@ is always the uninterrupted run, compared bit for bit in float64.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import signal
 
@@ -222,7 +223,7 @@ def _into_shards(rank, world, path, shards):
     return replica, _full(model), _full_state(model, opt)
 
 
-@pytest.mark.parametrize("shards", [1])
+@pytest.mark.parametrize("shards", [1, 4])
 def test_a_replica_checkpoint_resumes_at_another_shard_count(shards, tmp_path):
     straight = run_world(_into_shards, 4, str(tmp_path), 2)
     resumed = run_world(_into_shards, 2 * shards, str(tmp_path), shards)
@@ -236,3 +237,55 @@ def test_a_replica_checkpoint_resumes_at_another_shard_count(shards, tmp_path):
             f"replica {replica}: max |params - uninterrupted| = {worst:.3g}, state {worst_state:.3g}"
         )
         assert worst <= 1e-12 and worst_state <= 1e-12
+
+
+# -- Lightning's ModelParallelStrategy ---------------------------------------------------------------
+
+
+def _lightning_model_parallel(rank, world, out):
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from test_sharded import _batch, _model
+    from torch.distributed.fsdp import fully_shard
+
+    class Sharded(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _model()
+
+        def configure_model(self):
+            for block in (self.net[0], self.net[2], self.net[4], self.net):
+                fully_shard(block, mesh=self.device_mesh["tensor_parallel"])
+
+        def training_step(self, batch, index):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return decent_optim.DecentralizedAdamW(
+                self.parameters(), lr=1e-2, process_group=self.device_mesh["data_parallel"]
+            )
+
+    x, y = _batch(0, 0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+    trainer = L.Trainer(
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
+        accelerator="cpu", devices=4, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+    )  # fmt: skip
+    trainer.fit(Sharded(), data)
+    try:
+        trainer.save_checkpoint(f"{out}/last.ckpt")  # DCP over all ranks, Lightning's default
+    except BaseException as err:
+        return type(err).__name__, str(err)
+    return None
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason="needs the lightning extra"
+)
+def test_lightning_model_parallel_checkpoint_is_refused(tmp_path):
+    for result in run_world(_lightning_model_parallel, 4, str(tmp_path), timeout=300):
+        assert result is not None and "more than one replica of the model" in result[1], result
+    written = [f for _, _, files in os.walk(tmp_path) for f in files]
+    assert written == [], written
