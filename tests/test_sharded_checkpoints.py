@@ -289,3 +289,62 @@ def test_lightning_model_parallel_checkpoint_is_refused(tmp_path):
         assert result is not None and "more than one replica of the model" in result[1], result
     written = [f for _, _, files in os.walk(tmp_path) for f in files]
     assert written == [], written
+
+
+def _lightning_fit(out, epochs, ckpt_path=None):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_sharded import _batch, _model
+    from torch.distributed.fsdp import fully_shard
+
+    from decent_optim.integrations.lightning import DecentralizedModelParallelStrategy
+
+    class Sharded(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.losses = _model(), []
+
+        def configure_model(self):
+            for block in (self.net[0], self.net[2], self.net[4], self.net):
+                fully_shard(block, mesh=self.device_mesh["tensor_parallel"])
+
+        def training_step(self, batch, index):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return decent_optim.DecentralizedAdamW(
+                self.parameters(), lr=1e-2, process_group=self.device_mesh["data_parallel"]
+            )
+
+    x, y = _batch(0, 0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+    module = Sharded()
+    trainer = L.Trainer(
+        strategy=DecentralizedModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
+        accelerator="cpu", devices=4, max_epochs=epochs, logger=False,
+        callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1)],
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+    )  # fmt: skip
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return module.losses, _full(module.net)
+
+
+def _lightning_resume(rank, world, out):
+    losses, params = _lightning_fit(out, 3)
+    resumed_losses, resumed = _lightning_fit(out, 3, f"{out}/epoch=0-step=2.ckpt")
+    return losses, params, resumed_losses, resumed, sorted(os.listdir(f"{out}/epoch=0-step=2.ckpt"))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason="needs the lightning extra"
+)
+def test_lightning_decentralized_model_parallel_resumes_per_replica(tmp_path):
+    results = run_world(_lightning_resume, 4, str(tmp_path), timeout=300)
+    for losses, params, resumed_losses, resumed, folders in results:
+        assert folders == ["replica0", "replica1"]
+        assert resumed_losses == losses[2:]
+        assert _equal(resumed, params)
+    assert results[0][0] != results[2][0]  # the replicas trained apart

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ReplicaGuard", "save_ranks"]
+__all__ = ["ReplicaGuard", "save_replica", "save_ranks"]
 
 _DCP = "torch.distributed.checkpoint"
 
@@ -63,6 +63,13 @@ def save_ranks() -> list[int] | None:
             return sorted(dist.get_process_group_ranks(group))
         frame = frame.f_back
     return None
+
+
+def save_replica(state: dict[str, Any], checkpoint_id: Any, shard_group: Any) -> None:
+    """``dcp.save`` of one replica's ``state`` over the ranks of that replica (``shard_group``)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=checkpoint_id, process_group=shard_group)
 
 
 class ReplicaGuard(int):
