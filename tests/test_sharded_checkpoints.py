@@ -249,6 +249,29 @@ def test_a_replica_checkpoint_resumes_at_another_shard_count(shards, tmp_path):
         assert worst <= 1e-12 and worst_state <= 1e-12
 
 
+def _from_one_copy(rank, world, path):
+    """2 x 2 save per replica at step 3 and return what they saved; or every replica resumes
+    from replica 0's checkpoint, returns what it loaded and takes a step."""
+    model, opt, mesh = _build()
+    if path.endswith("save"):
+        _steps(model, opt, rank // 2, 0, 3)
+        _dcp_save_replica(model, opt, mesh, path, rank // 2)
+        return _full(model), _full_state(model, opt)
+    _dcp_load_replica(model, opt, mesh, path.replace("load", "save"), 0)
+    loaded = _full(model), _full_state(model, opt)
+    _steps(model, opt, rank // 2, 3, 1)
+    return loaded
+
+
+@multiprocess
+def test_every_replica_restarts_from_one_replicas_checkpoint(tmp_path):
+    saved = run_world(_from_one_copy, 4, str(tmp_path / "save"))
+    loaded = run_world(_from_one_copy, 4, str(tmp_path / "load"))
+    assert not _equal(saved[0][0], saved[2][0])  # the replicas differed when saved
+    for rank in range(4):
+        assert _equal(loaded[rank], saved[rank % 2])  # replica 0's shard of the same index
+
+
 # -- Lightning's ModelParallelStrategy ---------------------------------------------------------------
 
 
