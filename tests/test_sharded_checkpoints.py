@@ -80,6 +80,8 @@ def _save_over(rank, world, path, how):
     try:
         if how == "world":
             dcp.save(_dcp_state(model, opt), checkpoint_id=path)
+        elif how == "async":  # planned in a thread of this process
+            dcp.async_save(_dcp_state(model, opt), checkpoint_id=path).result()
         elif how == "averaged, with the optimizer":  # the optimizer states are not averaged
             with opt.averaged(model):
                 dcp.save(_dcp_state(model, opt), checkpoint_id=path)
@@ -97,7 +99,7 @@ def _save_over(rank, world, path, how):
 
 
 @multiprocess
-@pytest.mark.parametrize("how", ["world", "averaged, with the optimizer", "crossed"])
+@pytest.mark.parametrize("how", ["world", "async", "averaged, with the optimizer", "crossed"])
 def test_a_save_over_several_replicas_is_refused_on_every_rank_before_writing(how, tmp_path):
     results = run_world(_save_over, 4, str(tmp_path / "ckpt"), how)
     for rank, result in enumerate(results):
@@ -376,7 +378,7 @@ def test_lightning_decentralized_model_parallel_resumes_per_replica(tmp_path):
     results = run_world(_lightning_resume, 4, str(tmp_path), timeout=300)
     for losses, params, resumed_losses, resumed, folders in results:
         assert folders == ["replica0", "replica1"]
-        assert resumed_losses == losses[2:]
+        assert len(losses) == 6 and resumed_losses == losses[2:]  # 2 steps per epoch
         assert _equal(resumed, params)
     assert results[0][0] != results[2][0]  # the replicas trained apart
 
