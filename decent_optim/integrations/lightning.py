@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.strategies.model_parallel import _load_checkpoint
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from decent_optim.gossip.dcp_guard import save_replica
@@ -204,13 +202,19 @@ class DecentralizedModelParallelStrategy(ModelParallelStrategy):
             states[f"optimizer_{index}"] = state
         shards = self.device_mesh["tensor_parallel"]
         save_replica(states, folder, shards.get_group())
-        if shards.get_local_rank() == 0:
+        if shards.get_local_rank() == 0:  # Lightning's other state, where its loader looks
+            from lightning.fabric.utilities.load import _METADATA_FILENAME
+
             torch.save(checkpoint, folder / _METADATA_FILENAME)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         folder = self._replica_folder(Path(self.broadcast(checkpoint_path)))
         if not folder.is_dir():  # ModelParallelStrategy's own file
             return super().load_checkpoint(checkpoint_path, weights_only)
+        # Lightning's own loader of a DCP folder (private: imported here, so that a Lightning
+        # that moves it breaks this strategy only)
+        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
         state: dict[str, Any] = {"state_dict": self.model}
         state.update({f"optimizer_{k}": opt for k, opt in enumerate(self.optimizers)})
         assert self.lightning_module is not None
