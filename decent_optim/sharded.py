@@ -56,6 +56,7 @@ __all__ = [
     "gossip_group",
     "is_sharded",
     "local",
+    "replica_ranks",
     "replica_sum",
     "replicas_per_node",
     "shown",
@@ -144,6 +145,11 @@ def check_params(params: Sequence[Tensor], gossip_ranks: list[int] | None, me: i
                 f"is sharded on (global ranks {_mesh_ranks(p)}): it would mix different shards. "
                 f"Gossip over the ranks that hold the same shard in other replicas: {_MESH_FIX}"
             )
+
+
+def replica_ranks(params: Sequence[Tensor]) -> list[int]:
+    """Global ranks that hold this rank's replica: the meshes its sharded parameters live on."""
+    return sorted({r for p in params if is_sharded(p) for r in _mesh_ranks(p)})
 
 
 def describe(p: Tensor) -> str:

@@ -213,8 +213,52 @@ def test_two_processes_on_one_device_over_gloo(device):
             assert built == "built"
 
 
-def test_fsdp2_at_world_size_one():
-    pytest.skip("FSDP2 shards parameters as DTensors, which decent_optim does not take (issue 25)")
+def _fsdp2_one_rank(rank, world_size, device_type):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if device_type == "cuda":
+        torch.cuda.set_device(0)
+    device = torch.device(device_type)
+    # the groups of both mesh dimensions on NCCL (the harness's world group is gloo)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    mesh = init_device_mesh(
+        device_type,
+        (1, 1),
+        mesh_dim_names=("replicate", "shard"),
+        backend_override={"replicate": backend, "shard": backend},
+    )
+    model = _mlp(device)
+    twin = copy.deepcopy(model)
+    for block in (model[0], model[2], model):
+        fully_shard(block, mesh=mesh["shard"])
+    opt = dopt.DecentralizedAdamW(
+        model.parameters(), lr=0.01, weight_decay=0.1, process_group=mesh["replicate"]
+    )
+    ref = torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.1, fused=True)
+    for t in range(5):
+        x, y = _batch(device, t)
+        for net, optimizer in ((model, opt), (twin, ref)):
+            nn.functional.mse_loss(net(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    opt.synchronize()
+    state = [opt.state[p]["exp_avg"] for p in model.parameters()]
+    return (
+        [p.full_tensor().detach().cpu() for p in model.parameters()],
+        [p.detach().cpu() for p in twin.parameters()],
+        {(type(s).__name__, s.device.type) for s in state},
+    )
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_at_world_size_one(device):
+    """FSDP2 on the device (a 1 x 1 mesh, NCCL on a GPU): the bucket, the copy into FSDP2's
+    sharded storage and its all-gather on the device; equal to fused AdamW on the plain model."""
+    ((mine, theirs, state),) = run_world(_fsdp2_one_rank, 1, device.type, timeout=180)
+    assert state == {("DTensor", device.type)}
+    for x, y in zip(mine, theirs):
+        _assert_close(x, y)
 
 
 # -- mixed precision ----------------------------------------------------------------------------

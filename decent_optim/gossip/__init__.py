@@ -29,7 +29,9 @@ Module map: :mod:`~decent_optim.gossip.handle` (a round in flight, timeouts),
 :mod:`~decent_optim.gossip.exchange` (the strategy interface and the shared receive buffers),
 :mod:`~decent_optim.gossip.gossiper` (the choice per round), :mod:`~decent_optim.gossip.collectives`
 (start-up collectives and measurements), :mod:`~decent_optim.gossip.averager` (a torch
-``ModelAverager`` that gossips, for ``PostLocalSGDOptimizer``).
+``ModelAverager`` that gossips, for ``PostLocalSGDOptimizer``),
+:mod:`~decent_optim.gossip.dcp_guard` (refuses a ``torch.distributed.checkpoint`` save that
+spans several replicas of a sharded model).
 """
 
 from decent_optim.gossip.averager import GossipAverager

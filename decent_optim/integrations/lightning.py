@@ -17,6 +17,12 @@ distributed samplers) and changes only that:
   (``averaged()``), on every rank together.
 
 ``configure_optimizers`` must return decent_optim optimizers (schedulers as usual).
+
+For models sharded with FSDP2 (``ModelParallelStrategy``: gossip over
+``device_mesh["data_parallel"]``, shard over ``device_mesh["tensor_parallel"]``),
+:class:`DecentralizedModelParallelStrategy` keeps Lightning's distributed checkpoints, one per
+replica: the replicas differ, and a DCP save over all ranks -- ``ModelParallelStrategy``'s --
+is refused (:mod:`decent_optim.gossip.dcp_guard`).
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
+from decent_optim.gossip.dcp_guard import save_replica
 from decent_optim.integrations.common import (
     consensus,
     decentralized,
@@ -38,7 +46,7 @@ from decent_optim.integrations.common import (
 from decent_optim.optim.checkpoint import KEY
 from decent_optim.optim.engine import DecentralizedOptimizer
 
-__all__ = ["DecentralizedStrategy"]
+__all__ = ["DecentralizedModelParallelStrategy", "DecentralizedStrategy"]
 
 #: what a rank's own file holds: these entries of Lightning's checkpoint, with the rank's values
 _OWN = ("state_dict", "optimizer_states")
@@ -160,3 +168,61 @@ class DecentralizedStrategy(DDPStrategy):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self._own_file(filepath))
         super().remove_checkpoint(filepath)
+
+
+class DecentralizedModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` whose distributed checkpoints hold one DCP checkpoint per replica.
+
+    Takes ``ModelParallelStrategy``'s arguments: ``data_parallel_size`` counts the replicas
+    (gossip over ``self.device_mesh["data_parallel"]`` in ``configure_optimizers``),
+    ``tensor_parallel_size`` the shards of each (``fully_shard(block,
+    mesh=self.device_mesh["tensor_parallel"])`` in ``configure_model``). A checkpoint ``X``
+    (with ``save_distributed_checkpoint=True``, the default) is a folder of ``replica{r}``
+    folders, each written by the ranks of replica ``r`` and read back by them, with Lightning's
+    other state in each; with ``save_distributed_checkpoint=False`` it is
+    ``ModelParallelStrategy``'s file (rank 0's replica, whole).
+    """
+
+    strategy_name = "decentralized_model_parallel"
+
+    def _replica_folder(self, path: Path) -> Path:
+        return path / f"replica{self.device_mesh['data_parallel'].get_local_rank()}"
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if not self._save_distributed_checkpoint or storage_options is not None:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        path = Path(self.broadcast(filepath))  # one path on every rank, as Lightning's
+        folder = self._replica_folder(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        states = {"state_dict": checkpoint.pop("state_dict")}
+        for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
+            states[f"optimizer_{index}"] = state
+        shards = self.device_mesh["tensor_parallel"]
+        save_replica(states, folder, shards.get_group())
+        if shards.get_local_rank() == 0:  # Lightning's other state, where its loader looks
+            from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+            torch.save(checkpoint, folder / _METADATA_FILENAME)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        folder = self._replica_folder(Path(self.broadcast(checkpoint_path)))
+        if not folder.is_dir():  # ModelParallelStrategy's own file
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        # Lightning's own loader of a DCP folder (private: imported here, so that a Lightning
+        # that moves it breaks this strategy only)
+        from lightning.fabric.strategies.model_parallel import _load_checkpoint
+
+        state: dict[str, Any] = {"state_dict": self.model}
+        state.update({f"optimizer_{k}": opt for k, opt in enumerate(self.optimizers)})
+        assert self.lightning_module is not None
+        # DCP loads over all ranks, each from its replica's folder
+        return _load_checkpoint(
+            path=folder,
+            state=state,
+            strict=self.lightning_module.strict_loading,
+            optimizer_states_from_list=True,
+            weights_only=weights_only,
+        )

@@ -28,7 +28,9 @@ from typing import Any, Protocol
 from torch import Tensor
 from torch.optim import Optimizer
 
+from decent_optim import sharded
 from decent_optim.flat import FlatParams
+from decent_optim.gossip.dcp_guard import ReplicaGuard
 from decent_optim.optim.agreement import Account, agree
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.startup import Stash, fingerprint, topology_key
@@ -94,6 +96,11 @@ def save(optimizer: Checkpointed) -> dict[str, Any]:
         # copy of what looks alike on every rank: the entries every rank shares ride along
         shared = ("step", "pending", "world_size", "topology")
         packed["param_groups"][0][KEY] = {k: packed[KEY][k] for k in shared}
+        # ... and a guard that refuses a DCP save spanning several replicas (they differ)
+        params = [p for b in optimizer._flat.buckets if b.mirror is not None for p in b.params]
+        packed["param_groups"][0][KEY]["replica"] = ReplicaGuard(
+            optimizer.rank, optimizer.world_size, sharded.replica_ranks(params)
+        )
     return packed
 
 
