@@ -58,6 +58,8 @@ def main() -> None:
             x, y = sine_data(256, seed=2).tensors
             test = nn.functional.mse_loss(model(x.to(accelerator.device)), y.to(accelerator.device))
         accelerator.print(f"epoch {epoch}: test error of the consensus model {test.item():.4f}")
+    if torch.distributed.is_initialized():  # gloo's threads must not outlive the interpreter
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

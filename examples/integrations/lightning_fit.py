@@ -70,6 +70,8 @@ def main() -> None:
     trainer.fit(Sine(), sine_loader(1024, seed=1), sine_loader(256, seed=2), ckpt_path=ckpt)
     if trainer.is_global_zero:
         print(f"val loss of the consensus model: {trainer.callback_metrics['val_loss']:.4f}")
+    if torch.distributed.is_initialized():  # gloo's threads must not outlive the interpreter
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
