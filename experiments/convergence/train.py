@@ -15,7 +15,8 @@ Methods:
 * ``adamw``: decent_optim.DecentralizedAdamW;
 * ``accumadamw``: decent_optim.AccumAdamW with the run's ``accum_iter`` and betas;
 * ``diloco``: DiLoCo with all-reduce (``benchmarks/_diloco.py``), per-worker torch.optim.AdamW
-  as the inner optimizer, outer SGD lr 0.7 (or the method's ``olr``), Nesterov momentum 0.9.
+  as the inner optimizer, outer SGD lr 0.7, Nesterov momentum 0.9 (or the method's ``olr``,
+  ``om``).
 
 ``adamw`` takes the method's ``local_steps=`` and ``outer=`` (``study.parse_method``).
 Evaluation uses the consensus model: ``opt.averaged(model)``, the mean of the workers'
@@ -201,7 +202,10 @@ def build(task: Task, spec: dict) -> tuple[nn.Module, nn.Module, torch.optim.Opt
         return model, DistributedDataParallel(model), torch.optim.AdamW(groups, **kw)
     if spec["optimizer"] == "diloco":
         inner = torch.optim.AdamW(groups, **kw)
-        opt = DiLoCo(model.parameters(), inner, method.local_steps, lr=method.outer_lr)
+        momentum = method.outer_momentum
+        opt = DiLoCo(
+            model.parameters(), inner, method.local_steps, method.outer_lr, momentum, momentum > 0
+        )
         return model, model, opt
     # the paper's alternating-exp-ring is node-aware; 2 workers per "node" as in its set-up
     # (with 2 workers in all, 2 nodes of 1)
