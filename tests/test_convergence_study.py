@@ -203,7 +203,7 @@ def test_local_steps_borrow_their_rates_and_are_paired_with_diloco(
         assert row["vs All-Reduce"] == f"{100 * (final[key] / final[reference] - 1):+.2f}%"
         if key != diloco:
             gap = f"{100 * (final[key] / final[diloco] - 1):+.2f}%"
-            assert row["vs best DiLoCo, same H"] == f"{gap} (outer lr 0.7)"
+            assert row["vs best DiLoCo, same H"] == f"{gap} (outer lr 0.7, x1)"
         else:
             assert row["vs best DiLoCo, same H"] == ""
     assert "Local steps vs DiLoCo" in (study / "summary.md").read_text()

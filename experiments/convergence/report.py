@@ -402,7 +402,8 @@ def local_table(st: Study, tables: Path) -> list[str]:
             g = paired_gap(c, ref)
             cells.append("" if g is None else fmt_gap(*g))
         if twin is not None and cells[1]:
-            cells[1] += f" (outer lr {twin.method.outer_lr:g})"
+            plain = ", no momentum" if twin.method.outer_momentum == 0 else ""
+            cells[1] += f" (outer lr {twin.method.outer_lr:g}{plain}, x{twin.spec['lr'] / base:g})"
         rows.append(
             [
                 c.spec["workers"], label(c), f"{c.spec['lr']:g} (x{c.spec['lr'] / base:.3g})",

@@ -184,6 +184,12 @@ class Protocol:
         for method, seeds in (
             ("diloco:h4:olr10", (1, 2)), ("diloco:h4:olr5", (0,)), ("diloco:h4:olr100:om0", (0,)),
         )
+    ) + tuple(
+        # then: plain averaging was the best at both counts; seeds 1 and 2 for it, and at the
+        # rate of the plain local steps (x2; better again at seed 0, so 3 seeds)
+        ("charlm", n, "diloco:h4:olr100:om0", factor, seeds)
+        for n in (4, 8)
+        for factor, seeds in ((None, (1, 2)), (2.0, (0, 1, 2)))
     )  # fmt: skip
 
 
