@@ -23,9 +23,10 @@ Methods (``--methods``):
   compressed, gossiping every ``h`` steps (``local_steps=h``), with ``outer="diloco"``; lr
   ``--lr`` x ``--decent-lr-factor`` for every-step and plain local gossip, ``--lr`` with an
   outer step (as DiLoCo, whose inner optimizer keeps the baseline's rate);
-* ``diloco:H<h>``: DiLoCo written here: per-worker torch.optim.AdamW at ``--lr`` for ``h`` steps,
-  then an all-reduce of the pseudo-gradients (blocking, as in DiLoCo) and an outer SGD step with
-  lr 0.7 and Nesterov momentum 0.9 on the averaged pseudo-gradient (Douillard et al. 2023).
+* ``diloco:H<h>``: DiLoCo with all-reduce (``benchmarks/_diloco.py``, also the convergence
+  study's baseline): per-worker torch.optim.AdamW at ``--lr`` for ``h`` steps, then an
+  all-reduce of the pseudo-gradients (blocking, as in DiLoCo) and an outer SGD step with lr 0.7
+  and Nesterov momentum 0.9 on the averaged pseudo-gradient (Douillard et al. 2023).
 
 The script is a launcher (as ``train_iteration.py``): under ``emulate-cluster`` it runs one
 ``torchrun`` per method on each node; see ``time_to_quality.sh``. Results:
@@ -143,10 +144,11 @@ def worker(args) -> None:
             outer="diloco" if m["outer"] else None,
         )
     elif m["kind"] == "diloco":
-        opt = torch.optim.AdamW(groups, lr=args.lr, betas=betas)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from _diloco import DiLoCo
+
+        opt = DiLoCo(params, torch.optim.AdamW(groups, lr=args.lr, betas=betas), m["H"])
         peak = args.lr
-        theta = torch.nn.utils.parameters_to_vector(params).detach().clone()
-        momentum = None
     else:  # decentdp
         from functools import partial
 
@@ -179,20 +181,14 @@ def worker(args) -> None:
         if m["kind"] == "decent":
             with opt.averaged(model):
                 return evaluate()
-        if dl is not None:
-            dl.global_avg(will_revert=True)
-            try:
+        if m["kind"] == "diloco":  # mid-period: the workers' mean
+            with opt.averaged():
                 return evaluate()
-            finally:
-                dl.revert_global_avg()
-        backup = [p.detach().clone() for p in params]  # DiLoCo mid-period: the workers' mean
-        for p in params:
-            dist.all_reduce(p.data)
-            p.data.div_(n)
-        loss = evaluate()
-        for p, b in zip(params, backup):
-            p.data.copy_(b)
-        return loss
+        dl.global_avg(will_revert=True)
+        try:
+            return evaluate()
+        finally:
+            dl.revert_global_avg()
 
     target = None
     if args.target_from:
@@ -217,20 +213,7 @@ def worker(args) -> None:
             opt.zero_grad()
             F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-        if m["kind"] == "diloco" and (step + 1) % m["H"] == 0:
-            with torch.no_grad():
-                delta = theta - torch.nn.utils.parameters_to_vector(params)
-                dist.all_reduce(delta)
-                delta.div_(n)
-                momentum = delta.clone() if momentum is None else momentum.mul_(0.9).add_(delta)
-                theta.sub_(delta.add_(momentum, alpha=0.9), alpha=0.7)
-                # copy (vector_to_parameters would make the parameters views of theta, and
-                # the inner steps would then move the outer parameters too)
-                start = 0
-                for p in params:
-                    p.data.copy_(theta[start : start + p.numel()].view_as(p))
-                    start += p.numel()
+            opt.step()  # DiLoCo: the inner step, and the outer one at the end of a period
         done = step + 1
         if done % args.eval_every and done != max_steps:
             continue

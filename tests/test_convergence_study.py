@@ -1,13 +1,15 @@
 """The convergence study (experiments/convergence) on its reduced protocol: 2 gloo ranks, 16
 steps, both tasks, every stage that has runs at 2 workers (All-Reduce sweep, method sweep, more
-seeds at the best rate, compressed gossip).
+seeds at the best rate, compressed gossip, local steps against DiLoCo).
 
 Checked: it runs from its one command and writes every output; every planned run has every
 evaluation and learns; the best rate of the sweep is the one rerun with more seeds; an
 interrupted study resumes by training only the missing runs, and reproduces their values bit for
 bit; All-Reduce keeps one model (consensus distance 0) and gossip does not; with 2 workers the
 ring and one-peer-exp pair the same two workers every round and must train identical models; the
-compressed run borrows the exact run's tuned rate, really compresses, and is paired with it.
+compressed run borrows the exact run's tuned rate, really compresses, and is paired with it; the
+local-steps runs borrow their rates (plain: the every-step method's tuned one; DiLoCo and the
+outer mode: All-Reduce's), really change the training, and are paired with DiLoCo at the same H.
 """
 
 from __future__ import annotations
@@ -94,8 +96,8 @@ def test_every_output_is_written(study: Path) -> None:
 
 def test_every_run_has_every_evaluation_and_learns(runs: dict[str, list[dict]]) -> None:
     # ar-lr: 2 + 1; sweep: 4 x 2 + 1 x 2 rates; seeds: one more seed for each charlm method;
-    # compressed: int8 at 1 seed
-    assert len(runs) == 3 + 10 + 5 + 1
+    # compressed: int8 at 1 seed; local: plain, DiLoCo and outer mode at 1 seed
+    assert len(runs) == 3 + 10 + 5 + 1 + 3
     for key, rows in runs.items():
         assert [int(r["step"]) for r in rows] == EVALS, key
         first, last = (float(r["val_loss"]) for r in rows)
@@ -172,3 +174,36 @@ def test_resume_trains_only_what_is_missing_and_reproduces_it(study: Path, tmp_p
     for r in rows:
         again = redone[(r["key"], r["step"])]
         assert {f: again[f] for f in fields} == {f: r[f] for f in fields}, r["key"]
+
+
+def test_local_steps_borrow_their_rates_and_are_paired_with_diloco(
+    study: Path, runs: dict[str, list[dict]]
+) -> None:
+    final = {k: float(rows[-1]["val_loss"]) for k, rows in runs.items()}
+    ar = {k: v for k, v in final.items() if re.match(r"charlm/n2/gb8/allreduce/.*/seed0$", k)}
+    reference = min(ar, key=ar.__getitem__)  # All-Reduce at its optimum, seed 0
+    base = runs[reference][0]["lr"]
+    (tuned,) = [rows for k, rows in runs.items() if "/adamw:aer/" in k and k.endswith("/seed1")]
+    (plain,) = [k for k in runs if "/adamw:aer:h3/" in k]
+    (diloco,) = [k for k in runs if "/diloco:h3/" in k]
+    (outer,) = [k for k in runs if "/adamw:aer:h3:outer/" in k]
+    assert runs[plain][0]["lr"] == tuned[0]["lr"]
+    assert runs[diloco][0]["lr"] == runs[outer][0]["lr"] == base
+    assert runs[diloco][0]["optimizer"] == "diloco"
+    # local_steps= reached the optimizer: not the every-step run of the same rate and seed
+    every_step = plain.replace("/adamw:aer:h3/", "/adamw:aer/")
+    assert final[plain] != final[every_step]
+    rows = {r["method"]: r for r in _rows(study / "tables" / "local.csv")}
+    assert list(rows) == [
+        "DecentralizedAdamW, local_steps=3, alternating-exp-ring",
+        "DiLoCo (all-reduce), H=3, outer lr 0.7",
+        'DecentralizedAdamW, local_steps=3, outer="diloco", alternating-exp-ring',
+    ]
+    for key, row in zip((plain, diloco, outer), rows.values()):
+        assert row["vs All-Reduce"] == f"{100 * (final[key] / final[reference] - 1):+.2f}%"
+        if key != diloco:
+            gap = f"{100 * (final[key] / final[diloco] - 1):+.2f}%"
+            assert row["vs best DiLoCo, same H"] == f"{gap} (outer lr 0.7, x1)"
+        else:
+            assert row["vs best DiLoCo, same H"] == ""
+    assert "Local steps vs DiLoCo" in (study / "summary.md").read_text()

@@ -8,7 +8,8 @@ Writes to the results folder:
   the study it belongs to;
 * ``summary.md``: the same, as the tables of the docs: the main table (every method at its
   tuned rate), the gap at every evaluation step, the learning-rate sweeps, weak scaling,
-  32 workers, the investigations (``knobs``) and compressed vs exact gossip (``compressed``);
+  32 workers, the investigations (``knobs``), compressed vs exact gossip (``compressed``) and
+  local steps vs DiLoCo at the same H (``local``);
 * ``recommended.csv``: per worker count, the decentralized setting closest to All-Reduce;
 * ``tables/*.csv``: each table of ``summary.md`` as CSV, for the docs;
 * ``val_loss_<task>.png`` (validation loss, gap to All-Reduce and consensus distance vs step)
@@ -110,6 +111,24 @@ class Study:
             values = [100 * (c.at(s, step) / ref.at(s, step) - 1) for s in seeds]
         return study.mean_std(values)
 
+    def diloco(self, c: Config) -> Config | None:
+        """The best DiLoCo with all-reduce at the same H as the local-steps run ``c`` (same
+        task, workers and batch; lowest mean final loss over ``c``'s seeds) among those that ran
+        every seed ``c`` ran: at DiLoCo's published outer rate or a swept one."""
+        s, name = c.spec, study.diloco_twin(c.spec["method"])
+        if name is None:
+            return None
+        same_h = [
+            d
+            for d in self.configs.values()
+            if d.spec["method"].split(":")[:2] == name.split(":")
+            and all(d.spec[k] == s[k] for k in ("task", "workers", "global_batch"))
+            and set(c.seeds) <= set(d.seeds)
+        ]
+        return min(
+            same_h, key=lambda d: statistics.fmean(d.final(x) for x in c.seeds), default=None
+        )
+
     def exact(self, c: Config) -> Config | None:
         """The same run with exact (uncompressed) gossip."""
         s = c.spec
@@ -128,7 +147,7 @@ class Study:
     def part(self, c: Config) -> str:
         """Which part of the study a configuration belongs to (first match)."""
         s = c.spec
-        for stage in ("seeds", "sweep", "ar-lr", "weak", "big", "knobs", "compressed"):
+        for stage in ("seeds", "sweep", "ar-lr", "weak", "big", "knobs", "compressed", "local"):
             keys = {study.config_key(x) for x in study.plan(self.p, stage, self.done)}
             if study.config_key(s) in keys:
                 if stage in ("seeds", "sweep"):
@@ -150,7 +169,7 @@ def fmt_gap(g: tuple[float, float] | None, seeds: int) -> str:
 
 
 def label(c: Config) -> str:
-    topo = "" if c.method.optimizer == "allreduce" else f", {c.spec['topology']}"
+    topo = "" if c.method.topology == "all-reduce" else f", {c.spec['topology']}"
     return c.method.label + topo
 
 
@@ -358,6 +377,47 @@ def compressed_table(st: Study, tables: Path) -> list[str]:
     return md_table(header, rows, tables / "compressed.csv") if rows else []
 
 
+def paired_gap(c: Config, ref: Config | None) -> tuple[tuple[float, float], int] | None:
+    """(mean, std) over the seeds both ran of the relative gap of ``c``'s final loss to
+    ``ref``'s, in %, and how many seeds that is."""
+    seeds = [] if ref is None else [s for s in c.seeds if s in ref.runs]
+    if ref is None or not seeds:
+        return None
+    return study.mean_std(100 * (c.final(s) / ref.final(s) - 1) for s in seeds), len(seeds)
+
+
+def local_table(st: Study, tables: Path) -> list[str]:
+    """Local steps and DiLoCo (the ``local`` stage): final loss, and its gaps to All-Reduce and
+    to DiLoCo at the same H, each paired by seed (same initial model, same batches)."""
+    order = list(dict.fromkeys(entry[2] for entry in st.p.local))  # the protocol's order
+    local = [c for c in st.configs.values() if st.part(c) == "local"]
+    rows = []
+    for c in sorted(
+        local, key=lambda c: (c.spec["workers"], order.index(c.spec["method"]), c.spec["lr"])
+    ):
+        base = st.base[c.spec["task"]]
+        twin = st.diloco(c)
+        cells = []
+        for ref in (st.reference(c), twin):
+            g = paired_gap(c, ref)
+            cells.append("" if g is None else fmt_gap(*g))
+        if twin is not None and cells[1]:
+            plain = ", no momentum" if twin.method.outer_momentum == 0 else ""
+            cells[1] += f" (outer lr {twin.method.outer_lr:g}{plain}, x{twin.spec['lr'] / base:g})"
+        rows.append(
+            [
+                c.spec["workers"], label(c), f"{c.spec['lr']:g} (x{c.spec['lr'] / base:.3g})",
+                " ".join(map(str, c.seeds)), fmt_loss(c), *cells,
+                f"{statistics.fmean(c.final(s, 'consensus_distance') for s in c.seeds):.3g}",
+            ]
+        )  # fmt: skip
+    header = [
+        "workers", "method", "lr (x optimum)", "seeds", "val loss", "vs All-Reduce",
+        "vs best DiLoCo, same H", "consensus distance",
+    ]  # fmt: skip
+    return md_table(header, rows, tables / "local.csv") if rows else []
+
+
 def recommended(st: Study) -> list[dict]:
     """Per task and worker count (strong scaling and 32 workers), every decentralized method
     that got all the seeds, at its tuned rate: its gap to All-Reduce and the issue's target.
@@ -441,6 +501,9 @@ def write_all(
     table = compressed_table(st, tables)
     if table:
         lines += ["## Compressed vs exact gossip (charlm), paired by seed", ""] + table
+    table = local_table(st, tables)
+    if table:
+        lines += ["## Local steps vs DiLoCo with all-reduce (charlm), paired by seed", ""] + table
     (out / "summary.md").write_text("\n".join(lines))
     print(f"wrote {out / 'summary.md'}, summary.csv, recommended.csv")
     if plots:

@@ -47,6 +47,8 @@ def launch(workers: int, args: argparse.Namespace, csv_path: Path) -> None:
     ]  # fmt: skip
     if args.tasks:
         cmd += ["--tasks", *args.tasks]
+    if args.seeds is not None:
+        cmd += ["--seeds", *map(str, args.seeds)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # never join an outer torchrun's world
@@ -61,6 +63,10 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", default=study.STAGES, choices=study.STAGES)
     parser.add_argument("--workers", nargs="+", type=int, help="only these worker counts")
     parser.add_argument("--tasks", nargs="+", help="only these tasks")
+    parser.add_argument(
+        "--seeds", nargs="+", type=int,
+        help="only these seeds (e.g. seed 0 of every count first, then the others)",
+    )  # fmt: skip
     parser.add_argument(
         "--protocol", choices=list(study.PROTOCOLS), default="full",
         help="smoke: the reduced study of the CI test (2 workers, 16 steps)",
@@ -86,7 +92,7 @@ def main() -> None:
         launched = False
         for workers in counts:
             done = study.final_losses(study.read_runs(csv_path))
-            left = study.todo(protocol, args.stages, done, [workers], args.tasks)
+            left = study.todo(protocol, args.stages, done, [workers], args.tasks, args.seeds)
             print(f"== {workers} workers: {len(left)} runs plannable now", flush=True)
             if args.dry_run:
                 print("".join(f"   {s['key']}\n" for s in left), end="")

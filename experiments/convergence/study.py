@@ -11,7 +11,9 @@ stages, each a function of the finished runs, because later stages depend on ear
 6. ``knobs``: one step further where a setting misses (``global_avg_every``, ``accum_iter``,
    topology, beta2, learning rate);
 7. ``compressed``: compressed gossip (``int8``, ``bf16``) at the uncompressed method's tuned rate
-   and warm-up (no sweep of its own), paired by seed with the uncompressed runs.
+   and warm-up (no sweep of its own), paired by seed with the uncompressed runs;
+8. ``local``: local steps (``local_steps=H``, optionally ``outer="diloco"``) against DiLoCo with
+   all-reduce at the same ``H``, at borrowed rates (``rate_source``), paired by seed.
 
 Method names are ``family:topology[:option...]``: family ``allreduce``, ``adamw`` (beta2 0.95),
 ``adamw98`` (beta2 0.98), ``accum98`` / ``accum95`` / ``accum99`` (AccumAdamW with that beta2),
@@ -19,7 +21,11 @@ Method names are ``family:topology[:option...]``: family ``allreduce``, ``adamw`
 topology ``ring``, ``aer`` (alternating-exp-ring, 2 workers per node), ``ope``
 (one-peer-exp), ``complete``; options ``s<k>`` (accum_iter, default min(workers, 8)) and
 ``gavg<k>`` (``global_avg_every=k``), ``int8`` / ``bf16`` (``compression=``: what crosses
-between nodes is compressed).
+between nodes is compressed), ``h<k>`` (``local_steps=k``), ``outer`` (``outer="diloco"``).
+Family ``diloco`` takes no topology: ``diloco:h<k>`` is DiLoCo with all-reduce
+(``benchmarks/_diloco.py``: per-worker AdamW for k steps, outer SGD lr 0.7, Nesterov 0.9);
+options ``olr<k>``: outer lr k / 100 instead of 0.7 (``diloco:h4:olr30``: 0.3), ``om<k>``: outer
+momentum k / 100 instead of 0.9 (Nesterov while > 0; ``diloco:h4:olr100:om0``: plain averaging).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ TOPOLOGIES = {
     "ope": "one-peer-exp",
     "complete": "complete",
 }
-STAGES = ["ar-lr", "sweep", "seeds", "weak", "big", "knobs", "compressed"]
+STAGES = ["ar-lr", "sweep", "seeds", "weak", "big", "knobs", "compressed", "local"]
 COMPRESSIONS = ("int8", "bf16")
 
 
@@ -152,6 +158,39 @@ class Protocol:
         ("charlm", 8, "adamw:aer:bf16", (0, 1, 2)),
     )
     compressed_targets: dict[int, float] = field(default_factory=lambda: {4: 1.0, 8: 3.0})
+    # (task, workers, method, lr factor or None for the rate_source's tuned one, seeds): local
+    # steps against DiLoCo with all-reduce at the same H (issue 23), paired by seed
+    local: tuple[tuple[str, int, str, float | None, tuple[int, ...]], ...] = tuple(
+        ("charlm", n, method, None, (0, 1, 2))
+        for n in (4, 8)
+        for method in (
+            "adamw:aer:h4", "adamw:aer:h4:int8", "diloco:h4", "adamw:aer:h16:outer", "diloco:h16",
+        )
+    ) + tuple(
+        # added after seed 0: with DiLoCo's published outer rate (0.7) DiLoCo trained badly at
+        # H = 4 (+118% at 4 workers), so its outer rate gets a sweep too (0.3, 0.1); plain local
+        # steps, at the every-step method's x2 above, get x1 and x1.5
+        ("charlm", n, method, factor, (0,))
+        for n in (4, 8)
+        for method, factor in (
+            ("adamw:aer:h4", 1.0), ("adamw:aer:h4", 1.5), ("diloco:h4:olr30", None),
+            ("diloco:h4:olr10", None),
+        )
+    ) + tuple(
+        # then: outer lr 0.1 (the sweep's edge) was the best; seeds 1 and 2 for it, and below
+        # the edge: 0.05, and plain averaging (outer lr 1, no momentum)
+        ("charlm", n, method, None, seeds)
+        for n in (4, 8)
+        for method, seeds in (
+            ("diloco:h4:olr10", (1, 2)), ("diloco:h4:olr5", (0,)), ("diloco:h4:olr100:om0", (0,)),
+        )
+    ) + tuple(
+        # then: plain averaging was the best at both counts; seeds 1 and 2 for it, and at the
+        # rate of the plain local steps (x2; better again at seed 0, so 3 seeds)
+        ("charlm", n, "diloco:h4:olr100:om0", factor, seeds)
+        for n in (4, 8)
+        for factor, seeds in ((None, (1, 2)), (2.0, (0, 1, 2)))
+    )  # fmt: skip
 
 
 FULL = Protocol()
@@ -182,6 +221,13 @@ SMOKE = Protocol(
     big_workers=(),
     knobs=(),
     compressed=(("charlm", 2, "adamw:aer:int8", (0,)),),
+    # H = 3: no evaluation (steps 8 and 16) falls on the end of a period, where DiLoCo's workers
+    # (and the outer mode's, with 2 workers) hold one model
+    local=(
+        ("charlm", 2, "adamw:aer:h3", None, (0,)),
+        ("charlm", 2, "diloco:h3", None, (0,)),
+        ("charlm", 2, "adamw:aer:h3:outer", None, (0,)),
+    ),
 )
 PROTOCOLS = {"full": FULL, "smoke": SMOKE}
 
@@ -191,21 +237,32 @@ class Method:
     """A method name resolved into optimizer settings (for ``workers`` workers)."""
 
     name: str
-    optimizer: str  # allreduce | adamw | accumadamw
+    optimizer: str  # allreduce | adamw | accumadamw | diloco
     topology: str
     beta1: float
     beta2: float
     accum_iter: int
     global_avg_every: int  # 0: never
     compression: str = ""  # "": exact gossip
+    local_steps: int = 1  # gossip (DiLoCo: all-reduce) every this many steps
+    outer: bool = False  # outer="diloco"
+    outer_lr: float = 0.7  # DiLoCo's outer SGD rate
+    outer_momentum: float = 0.9  # and its Nesterov momentum (0: no momentum)
 
     @property
     def label(self) -> str:
         """How tables and plots call it (without the topology)."""
         if self.optimizer == "allreduce":
             return "All-Reduce AdamW (DDP)"
+        if self.optimizer == "diloco":
+            momentum = "" if self.outer_momentum == 0.9 else f", momentum {self.outer_momentum:g}"
+            return (
+                f"DiLoCo (all-reduce), H={self.local_steps}, outer lr {self.outer_lr:g}{momentum}"
+            )
         extra = f", global avg every {self.global_avg_every}" if self.global_avg_every else ""
         extra += f", {self.compression} gossip" if self.compression else ""
+        extra += f", local_steps={self.local_steps}" if self.local_steps > 1 else ""
+        extra += ', outer="diloco"' if self.outer else ""
         if self.optimizer == "adamw":
             b2 = "" if self.beta2 == 0.95 else f" β2={self.beta2:g}"
             return f"DecentralizedAdamW{b2}{extra}"
@@ -218,17 +275,27 @@ class Method:
 def parse_method(name: str, workers: int, beta1: float = 0.9) -> Method:
     family, _, rest = name.partition(":")
     parts = rest.split(":") if rest else []
-    topology = TOPOLOGIES[parts[0]] if parts else "all-reduce"
+    if family in ("allreduce", "diloco"):  # no topology: all-reduce
+        parts.insert(0, "")
+    topology = TOPOLOGIES[parts[0]] if parts and parts[0] else "all-reduce"
     compression = "".join(p for p in parts[1:] if p in COMPRESSIONS)
-    numbered = [p for p in parts[1:] if p not in COMPRESSIONS]
+    outer = "outer" in parts[1:]
+    numbered = [p for p in parts[1:] if p not in COMPRESSIONS and p != "outer"]
     options = dict(re.fullmatch(r"([a-z]+)(\d+)", p).groups() for p in numbered)  # type: ignore[union-attr,misc]
     s = int(options.get("s", min(workers, 8)))
     gavg = int(options.get("gavg", 0))
+    h = int(options.get("h", 1))
+    outer_lr, outer_momentum = int(options.get("olr", 70)) / 100, int(options.get("om", 90)) / 100
     if family == "allreduce":
         return Method(name, "allreduce", "all-reduce", beta1, 0.95, 1, 0)
+    if family == "diloco":
+        return Method(
+            name, "diloco", "all-reduce", beta1, 0.95, 1, 0, local_steps=h, outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+        )  # fmt: skip
     if family.startswith("adamw"):
         beta2 = 0.95 if family == "adamw" else int(family[5:]) / 100
-        return Method(name, "adamw", topology, beta1, beta2, 1, gavg, compression)
+        return Method(name, "adamw", topology, beta1, beta2, 1, gavg, compression, h, outer)
     if family == "accum^s":
         return Method(name, "accumadamw", topology, beta1**s, 0.95**s, s, gavg, compression)
     if family.startswith("accum"):
@@ -304,16 +371,20 @@ def todo(
     done: dict[str, float],
     workers: Iterable[int] | None = None,
     tasks: Iterable[str] | None = None,
+    seeds: Iterable[int] | None = None,
 ) -> list[dict]:
     """The runs of ``stages`` that can be specified now and are not finished, in stage order."""
     workers, tasks = (
         (None if workers is None else set(workers)),
         (None if tasks is None else set(tasks)),
     )
+    seeds = None if seeds is None else set(seeds)
     out: dict[str, dict] = {}  # a run planned by two stages runs once
     for stage in stages:
         for s in plan(p, stage, done):
             if s["key"] in done or (workers and s["workers"] not in workers):
+                continue
+            if seeds is not None and s["seed"] not in seeds:
                 continue
             if tasks is None or s["task"] in tasks:
                 out.setdefault(s["key"], s)
@@ -326,6 +397,7 @@ def worker_counts(p: Protocol) -> list[int]:
     counts.update(n for by_count in p.seeds.values() for n in by_count)
     counts.update(knob[1] for knob in p.knobs)
     counts.update(c[1] for c in p.compressed)
+    counts.update(c[1] for c in p.local)
     return sorted(counts)
 
 
@@ -404,7 +476,39 @@ def plan(p: Protocol, stage: str, done: dict[str, float]) -> list[dict]:
                 factor = best_factor(p, task, workers, _tuned_name(method), done)
                 if c_task == task and factor is not None:
                     out += [make_spec(p, task, workers, method, factor * base, s) for s in seeds]
+        if stage == "local":
+            out += local_specs(p, task, base, done)
     return out
+
+
+def rate_source(method: str) -> str:
+    """Whose tuned rate a local-steps run borrows: DiLoCo and the outer mode keep All-Reduce's
+    for their inner AdamW (DiLoCo's convention); plain local steps take the every-step gossip
+    method's (``adamw:aer:h4`` that of ``adamw:aer``)."""
+    if method.startswith("diloco") or ":outer" in method:
+        return "allreduce"
+    return _tuned_name(method)
+
+
+def local_specs(p: Protocol, task: str, base: float, done: dict[str, float]) -> list[dict]:
+    """The ``local`` stage: seed 0 of every configuration first, then the other seeds."""
+    out = []
+    for l_task, workers, method, factor, seeds in p.local:
+        if l_task != task:
+            continue
+        if factor is None:
+            factor = best_factor(p, task, workers, rate_source(method), done)
+        if factor is not None:
+            out += [make_spec(p, task, workers, method, factor * base, s) for s in seeds]
+    return sorted(out, key=lambda s: s["seed"])  # stable: the protocol's order within a seed
+
+
+def diloco_twin(method: str) -> str | None:
+    """DiLoCo at the same H as a local-steps method (``adamw:aer:h4:int8`` -> ``diloco:h4``)."""
+    h = re.search(r":h(\d+)", method)
+    if method.startswith("diloco") or h is None:
+        return None
+    return f"diloco:h{h.group(1)}"
 
 
 def _tuned_name(method: str) -> str:

@@ -13,11 +13,15 @@ Methods:
 
 * ``allreduce``: DistributedDataParallel + torch.optim.AdamW, the reference;
 * ``adamw``: decent_optim.DecentralizedAdamW;
-* ``accumadamw``: decent_optim.AccumAdamW with the run's ``accum_iter`` and betas.
+* ``accumadamw``: decent_optim.AccumAdamW with the run's ``accum_iter`` and betas;
+* ``diloco``: DiLoCo with all-reduce (``benchmarks/_diloco.py``), per-worker torch.optim.AdamW
+  as the inner optimizer, outer SGD lr 0.7, Nesterov momentum 0.9 (or the method's ``olr``,
+  ``om``).
 
+``adamw`` takes the method's ``local_steps=`` and ``outer=`` (``study.parse_method``).
 Evaluation uses the consensus model: ``opt.averaged(model)``, the mean of the workers'
-parameters and BatchNorm buffers, restored afterwards so that training goes on undisturbed. DDP's
-workers hold one model, which is evaluated as it is.
+parameters and BatchNorm buffers (DiLoCo: of the parameters), restored afterwards so that
+training goes on undisturbed. DDP's workers hold one model, which is evaluated as it is.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ from torch.nn.parallel import DistributedDataParallel
 import decent_optim as dopt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import train_charlm  # noqa: E402  (the examples are scripts, not a package)
+from _diloco import DiLoCo  # noqa: E402  (the baseline the time-to-quality benchmark uses too)
 
 # what identifies a run (run.py builds these; one CSV column each), then what is measured
 SPEC_FIELDS = [
@@ -157,9 +163,9 @@ def evaluate(model: nn.Module, task: Task) -> tuple[float, float]:
     return loss / count, correct / count
 
 
-def rms_consensus_distance(opt: torch.optim.Optimizer) -> float:
+def rms_consensus_distance(opt: torch.optim.Optimizer | DiLoCo) -> float:
     """sqrt(mean over ranks of ||x_i - mean x||^2); 0 for DDP, whose workers share one model."""
-    if not isinstance(opt, dopt.DecentralizedOptimizer):
+    if not isinstance(opt, (dopt.DecentralizedOptimizer, DiLoCo)):
         return 0.0
     (total,) = sum_over_ranks([opt.consensus_distance() ** 2])
     return math.sqrt(total / dist.get_world_size())
@@ -186,23 +192,34 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build(task: Task, spec: dict) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+def build(task: Task, spec: dict) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer | DiLoCo]:
     """(model to train, module to call forward on, optimizer) for the run ``spec``."""
     model = task.make_model()
     groups = param_groups(model, task.weight_decay)
     kw = dict(lr=spec["lr"], betas=(spec["beta1"], spec["beta2"]))
+    method = study.parse_method(spec["method"], spec["workers"])
     if spec["optimizer"] == "allreduce":
         return model, DistributedDataParallel(model), torch.optim.AdamW(groups, **kw)
+    if spec["optimizer"] == "diloco":
+        inner = torch.optim.AdamW(groups, **kw)
+        momentum = method.outer_momentum
+        opt = DiLoCo(
+            model.parameters(), inner, method.local_steps, method.outer_lr, momentum, momentum > 0
+        )
+        return model, model, opt
     # the paper's alternating-exp-ring is node-aware; 2 workers per "node" as in its set-up
     # (with 2 workers in all, 2 nodes of 1)
     local = 2 if spec["workers"] >= 4 else 1
     common = dict(
         topology=spec["topology"], local_world_size=local, timeout=PATIENCE,
         global_avg_every=spec["global_avg_every"] or None,
-        compression=study.parse_method(spec["method"], spec["workers"]).compression or None,
+        compression=method.compression or None,
     )  # fmt: skip
     if spec["optimizer"] == "adamw":
-        opt: torch.optim.Optimizer = dopt.DecentralizedAdamW(groups, **kw, **common)
+        opt: torch.optim.Optimizer = dopt.DecentralizedAdamW(
+            groups, **kw, **common, local_steps=method.local_steps,
+            outer="diloco" if method.outer else None,
+        )  # fmt: skip
     elif spec["optimizer"] == "accumadamw":
         opt = dopt.AccumAdamW(groups, accum_iter=spec["accum_iter"], **kw, **common)
     else:
@@ -216,7 +233,11 @@ def run(task: Task, spec: dict, eval_every: int) -> list[dict]:
     local_batch = spec["global_batch"] // world
     torch.manual_seed(spec["seed"])  # the same initial model for every method (and every rank)
     model, forward, opt = build(task, spec)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(spec["steps"], spec["warmup"]))
+    schedule = warmup_cosine(spec["steps"], spec["warmup"])
+    # DiLoCo: the schedule drives the inner rate (the outer one is fixed)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt.inner if isinstance(opt, DiLoCo) else opt, schedule
+    )
     gen = torch.Generator().manual_seed(1000 * spec["seed"] + rank)  # this rank's batch stream
     params = list(model.parameters())
     rows, window = [], []
@@ -236,6 +257,9 @@ def run(task: Task, spec: dict, eval_every: int) -> list[dict]:
             distance = rms_consensus_distance(opt)
             if isinstance(opt, dopt.DecentralizedOptimizer):
                 with opt.averaged(model):  # parameters and BatchNorm buffers, restored after
+                    val_loss, val_acc = evaluate(model, task)
+            elif isinstance(opt, DiLoCo):
+                with opt.averaged():  # mid-period the workers differ
                     val_loss, val_acc = evaluate(model, task)
             else:
                 val_loss, val_acc = evaluate(model, task)
@@ -257,6 +281,7 @@ def main() -> None:
     parser.add_argument("--protocol", choices=list(study.PROTOCOLS), default="full")
     parser.add_argument("--stages", nargs="+", default=study.STAGES, choices=study.STAGES)
     parser.add_argument("--tasks", nargs="+", help="only these tasks")
+    parser.add_argument("--seeds", nargs="+", type=int, help="only these seeds")
     parser.add_argument("--csv", required=True, help="the study's runs; rank 0 appends to it")
     args = parser.parse_args()
 
@@ -271,7 +296,7 @@ def main() -> None:
         pick: list[dict | None] = [None]
         if rank == 0:
             done = study.final_losses(study.read_runs(path))
-            left = study.todo(protocol, args.stages, done, [world], args.tasks)
+            left = study.todo(protocol, args.stages, done, [world], args.tasks, args.seeds)
             pick = [left[0] if left else None]
             if left:
                 print(f"[{world} workers] {len(left)} runs plannable now, next: {left[0]['key']}")
