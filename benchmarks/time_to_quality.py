@@ -26,7 +26,9 @@ Methods (``--methods``):
 * ``diloco:H<h>``: DiLoCo with all-reduce (``benchmarks/_diloco.py``, also the convergence
   study's baseline): per-worker torch.optim.AdamW at ``--lr`` for ``h`` steps, then an
   all-reduce of the pseudo-gradients (blocking, as in DiLoCo) and an outer SGD step with lr 0.7
-  and Nesterov momentum 0.9 on the averaged pseudo-gradient (Douillard et al. 2023).
+  and Nesterov momentum 0.9 on the averaged pseudo-gradient (Douillard et al. 2023);
+  ``diloco:H<h>:avg``: plain averaging instead (outer lr 1, no momentum: local AdamW with an
+  all-reduce average every ``h`` steps) at ``--lr`` x ``--decent-lr-factor``.
 
 The script is a launcher (as ``train_iteration.py``): under ``emulate-cluster`` it runs one
 ``torchrun`` per method on each node; see ``time_to_quality.sh``. Results:
@@ -63,7 +65,14 @@ DEFAULT_METHODS = [
 
 def parse_method(method: str) -> dict:
     kind, _, spec = method.partition(":")
-    out = {"kind": kind, "topology": None, "compression": None, "H": 1, "outer": False}
+    out = {
+        "kind": kind,
+        "topology": None,
+        "compression": None,
+        "H": 1,
+        "outer": False,
+        "avg": False,
+    }
     parts = spec.split(":") if spec else []
     if kind in ("decent", "decentdp") and parts:
         out["topology"], _, comp = parts.pop(0).partition("+")
@@ -73,6 +82,8 @@ def parse_method(method: str) -> dict:
             out["H"] = int(p[1:])
         elif p == "outer":
             out["outer"] = True
+        elif p == "avg" and kind == "diloco":
+            out["avg"] = True
         else:
             raise SystemExit(f"bad method {method!r}: unknown part {p!r}")
     if kind not in ("ddp", "decent", "decentdp", "diloco"):
@@ -147,8 +158,11 @@ def worker(args) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from _diloco import DiLoCo
 
-        opt = DiLoCo(params, torch.optim.AdamW(groups, lr=args.lr, betas=betas), m["H"])
-        peak = args.lr
+        # avg: plain averaging (outer lr 1, no momentum) at the gossip methods' rate, the best
+        # DiLoCo variant of the convergence study at small H (the published outer step overshoots)
+        peak = decent_lr if m["avg"] else args.lr
+        outer = dict(lr=1.0, momentum=0.0, nesterov=False) if m["avg"] else {}
+        opt = DiLoCo(params, torch.optim.AdamW(groups, lr=peak, betas=betas), m["H"], **outer)
     else:  # decentdp
         from functools import partial
 
