@@ -35,7 +35,7 @@ import math
 import re
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -464,13 +464,7 @@ def plan(p: Protocol, stage: str, done: dict[str, float]) -> list[dict]:
         if stage == "big" and task == "charlm":
             out += big_specs(p, base, done)
         if stage == "knobs":
-            for k_task, workers, method, factor, seeds in p.knobs:
-                if k_task != task:
-                    continue
-                if factor is None:
-                    factor = best_factor(p, task, workers, _tuned_name(method), done)
-                if factor is not None:
-                    out += [make_spec(p, task, workers, method, factor * base, s) for s in seeds]
+            out += _at_rates(p, task, base, done, p.knobs, _tuned_name)
         if stage == "compressed":
             for c_task, workers, method, seeds in p.compressed:
                 factor = best_factor(p, task, workers, _tuned_name(method), done)
@@ -492,15 +486,29 @@ def rate_source(method: str) -> str:
 
 def local_specs(p: Protocol, task: str, base: float, done: dict[str, float]) -> list[dict]:
     """The ``local`` stage: seed 0 of every configuration first, then the other seeds."""
+    out = _at_rates(p, task, base, done, p.local, rate_source)
+    return sorted(out, key=lambda s: s["seed"])  # stable: the protocol's order within a seed
+
+
+def _at_rates(
+    p: Protocol,
+    task: str,
+    base: float,
+    done: dict[str, float],
+    entries: list,
+    source: Callable[[str], str],
+) -> list[dict]:
+    """Runs of ``(task, workers, method, factor, seeds)`` entries of ``task``; a factor of None
+    borrows the best tuned factor of the method ``source(method)`` (none yet: not plannable)."""
     out = []
-    for l_task, workers, method, factor, seeds in p.local:
-        if l_task != task:
+    for e_task, workers, method, factor, seeds in entries:
+        if e_task != task:
             continue
         if factor is None:
-            factor = best_factor(p, task, workers, rate_source(method), done)
+            factor = best_factor(p, task, workers, source(method), done)
         if factor is not None:
             out += [make_spec(p, task, workers, method, factor * base, s) for s in seeds]
-    return sorted(out, key=lambda s: s["seed"])  # stable: the protocol's order within a seed
+    return out
 
 
 def diloco_twin(method: str) -> str | None:
