@@ -9,22 +9,44 @@ parameters before the mix was written.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from torch import Tensor
+
+from decent_optim.flat import FlatParams
 from decent_optim.gossip.handle import NO_MIX, PendingMix
-from decent_optim.optim.inputs import check_membership, gradients
+from decent_optim.optim.inputs import AveragedCheck, check_membership, gradients
+from decent_optim.optim.membership import Membership
+from decent_optim.optim.rounds import Rounds
+from decent_optim.optim.startup import Stash
+from decent_optim.optim.state import FlatState
 from decent_optim.rules.base import Amp, Batch
 
-if TYPE_CHECKING:
-    from decent_optim.optim.engine import DecentralizedOptimizer
-
-__all__ = ["Work", "conclude", "prepare"]
+__all__ = ["Stepped", "Work", "conclude", "prepare"]
 
 #: one bucket's update in a step: its index, batch, param group, mix left to apply, GradScaler values
 Work = tuple[int, Batch, dict[str, Any], PendingMix, Amp]
 
 
-def prepare(opt: DecentralizedOptimizer, traced: bool) -> list[Work]:
+class Stepped(Protocol):
+    """What a step reads and writes of the optimizer: the engine's parts, named here instead of
+    importing the engine (which imports this module)."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any
+    _member: Membership
+    _group_params: list[list[Tensor]]
+    _rounds: Rounds
+    _flat: FlatParams
+    _frozen: list[Tensor]
+    _stash: Stash | None
+    _averaged: AveragedCheck
+    _flat_state: FlatState
+
+    def _readopt(self) -> None: ...
+
+
+def prepare(opt: Stepped, traced: bool) -> list[Work]:
     """Checks, the round's wait and mix, and the batches the rule updates.
 
     ``traced``: the step is being compiled; every mix is then applied here, eagerly, and the
@@ -60,7 +82,7 @@ def prepare(opt: DecentralizedOptimizer, traced: bool) -> list[Work]:
     return work
 
 
-def conclude(opt: DecentralizedOptimizer, work: list[Work]) -> None:
+def conclude(opt: Stepped, work: list[Work]) -> None:
     """Count the updates, launch the next round, and publish sharded values."""
     for index, batch, _, _, amp in work:
         opt._flat_state.updated(index, batch, amp.active)
