@@ -106,13 +106,8 @@ def worker(args) -> None:
     m = parse_method(args.method)
     local_batch = args.global_batch // n
 
-    text = train_charlm.make_corpus(n_sentences=20_000)
-    chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
-    split = int(0.9 * len(data))
-    train, held_out = data[:split], data[split:]
-    val_gen = torch.Generator().manual_seed(12345)
-    val = [train_charlm.get_batch(held_out, 32, val_gen) for _ in range(args.val_batches)]
+    corpus = train_charlm.load_corpus(n_sentences=20_000, val_batches=args.val_batches)
+    train, val = corpus.train, corpus.val_batches
 
     def batch(step: int):
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + step)
@@ -125,7 +120,7 @@ def worker(args) -> None:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     torch.manual_seed(args.seed)
-    model = train_charlm.CharGPT(len(chars))
+    model = train_charlm.CharGPT(corpus.vocab_size)
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     groups = [

@@ -104,6 +104,28 @@ def get_batch(data: torch.Tensor, batch_size: int, gen: torch.Generator):
     return chunk[:, :-1], chunk[:, 1:]
 
 
+@dataclass
+class Corpus:
+    """The grammar text as character ids: the first 90% to train on, fixed held-out batches
+    drawn from the last 10% (the same on every rank), and the vocabulary size."""
+
+    train: torch.Tensor
+    held_out: torch.Tensor
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    vocab_size: int
+
+
+def load_corpus(n_sentences: int = 4000, val_batches: int = 8) -> Corpus:
+    text = make_corpus(n_sentences)
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    split = int(0.9 * len(data))
+    held_out = data[split:]
+    val_gen = torch.Generator().manual_seed(12345)
+    batches = [get_batch(held_out, 32, val_gen) for _ in range(val_batches)]
+    return Corpus(data[:split], held_out, batches, len(chars))
+
+
 def sum_over_ranks(values: list[float]) -> list[float]:
     """For reporting only: training itself never needs a global sum."""
     if not dist.is_initialized():
@@ -313,20 +335,16 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
 
-    text = make_corpus()
-    chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
-    split = int(0.9 * len(data))  # the last 10% is held out for evaluation
-    train_data, val_data = data[:split], data[split:]
-    val_gen = torch.Generator().manual_seed(12345)  # the same held-out batches on every rank
-    val_batches = [get_batch(val_data, 32, val_gen) for _ in range(8)]
+    corpus = load_corpus()
     if rank == 0:
-        print(f"{len(train_data):,} training and {len(val_data):,} held-out characters")
+        print(f"{len(corpus.train):,} training and {len(corpus.held_out):,} held-out characters")
 
     methods = ["allreduce" if args.baseline else "decentralized"]
     if args.compare:
         methods = ["decentralized", "allreduce"]
-    histories = [train(args, m, train_data, val_batches, len(chars)) for m in methods]
+    histories = [
+        train(args, m, corpus.train, corpus.val_batches, corpus.vocab_size) for m in methods
+    ]
 
     if rank == 0:
         for h in histories:

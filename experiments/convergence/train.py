@@ -87,16 +87,11 @@ def charlm_task(p: study.Protocol) -> Task:
     20,000 sentences (850k characters) rather than the example's 4,000, so that even the
     weak-scaling runs (up to 128 sequences per step) see the training text only a few times.
     """
-    text = train_charlm.make_corpus(n_sentences=20_000)
-    chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
-    split = int(0.9 * len(data))
-    train, held_out = data[:split], data[split:]
-    val_gen = torch.Generator().manual_seed(12345)
-    val = [train_charlm.get_batch(held_out, 32, val_gen) for _ in range(p.val_batches)]
+    corpus = train_charlm.load_corpus(n_sentences=20_000, val_batches=p.val_batches)
+    train, val = corpus.train, corpus.val_batches
     return Task(
         "charlm",
-        lambda: train_charlm.CharGPT(len(chars)),
+        lambda: train_charlm.CharGPT(corpus.vocab_size),
         lambda batch, gen: train_charlm.get_batch(train, batch, gen),
         val,
         weight_decay=0.1,
