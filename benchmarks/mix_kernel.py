@@ -24,12 +24,24 @@ import torch
 LR, WD, BETAS, EPS, STEP = 1e-4, 0.01, (0.9, 0.999), 1e-8, 5
 
 
-def mix_adamw_(p, r, g, m, v, factor, lr, wd, beta1, beta2, eps, bias1, bias2_sqrt):
-    """x = (p + r) * factor, then AdamW on x; written for inductor to fuse into one loop."""
-    x = (p + r) * (factor * (1 - lr * wd))
+def mix_adamw_(p, r, g, m, v, scale, beta1, beta2, eps, step_size, bias2_sqrt):
+    """x = (p + r) * factor, then AdamW on x; written for inductor to fuse into one loop.
+
+    ``scale = factor * (1 - lr * wd)`` and ``step_size = lr / (1 - beta1**t)`` come computed:
+    arithmetic between two float arguments inside the compiled function makes dynamo specialize
+    on their values (torch 2.11 on CUDA recompiled at every step on the bias correction).
+    """
+    x = (p + r) * scale
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    p.copy_(x - (lr / bias1) * m / (v.sqrt() / bias2_sqrt + eps))
+    p.copy_(x - step_size * m / (v.sqrt() / bias2_sqrt + eps))
+
+
+def mix_adamw_scalars(factor, lr, wd, betas, eps, step):
+    """The scalar arguments of :func:`mix_adamw_` after ``p``, ``r``, ``g``, ``m``, ``v``."""
+    beta1, beta2 = betas
+    bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
+    return (factor * (1 - lr * wd), beta1, beta2, eps, lr / bias1, bias2_sqrt)
 
 
 def main() -> None:
@@ -60,7 +72,7 @@ def main() -> None:
             adamw([p[a:b]], [g[a:b]], [m[a:b]], [v[a:b]], folded)
 
     compiled = torch.compile(mix_adamw_)
-    hyper = (0.5, LR, WD, *BETAS, EPS, 1 - BETAS[0] ** STEP, (1 - BETAS[1] ** STEP) ** 0.5)
+    hyper = mix_adamw_scalars(0.5, LR, WD, BETAS, EPS, STEP)
     start = time.perf_counter()
     compiled(p, r, g, m, v, *hyper)
     print(f"compile: {time.perf_counter() - start:.1f} s")

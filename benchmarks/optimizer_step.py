@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 from _loopback import loop_back
-from mix_kernel import mix_adamw_
+from mix_kernel import mix_adamw_, mix_adamw_scalars
 from shape_sets import NAMES, shapes
 
 import decent_optim as dopt
@@ -93,9 +93,10 @@ class _OnePassAdamRule(AdamRule):
             super().update(batch, group, mix=mix, amp=amp)
             return
         batch.advance_steps()
-        (beta1, beta2), t = group["betas"], batch.step + 1
-        bias = (1 - beta1**t, (1 - beta2**t) ** 0.5)
-        hyper = (mix.factor, group["lr"], group["weight_decay"], beta1, beta2, group["eps"], *bias)
+        hyper = mix_adamw_scalars(
+            mix.factor, group["lr"], group["weight_decay"], group["betas"], group["eps"],
+            batch.step + 1,
+        )  # fmt: skip
         bucket = batch.bucket
         m, v = bucket.state("exp_avg")[0], bucket.state("exp_avg_sq")[0]
         grad = _flat_grad(bucket, batch.grads)
