@@ -253,25 +253,123 @@ def test_a_replica_checkpoint_resumes_at_another_shard_count(shards, tmp_path):
 
 def _from_one_copy(rank, world, path):
     """2 x 2 save per replica at step 3 and return what they saved; or every replica resumes
-    from replica 0's checkpoint, returns what it loaded and takes a step."""
+    from replica 0's checkpoint -- refused, then asked for -- returns the refusal and what it
+    loaded, and takes a step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     model, opt, mesh = _build()
     if path.endswith("save"):
         _steps(model, opt, rank // 2, 0, 3)
         _dcp_save_replica(model, opt, mesh, path, rank // 2)
         return _full(model), _full_state(model, opt)
-    _dcp_load_replica(model, opt, mesh, path.replace("load", "save"), 0)
+    state = _dcp_state(model, opt)
+    dcp.load(
+        state,
+        checkpoint_id=path.replace("load", "save/replica0"),
+        process_group=mesh["shard"].get_group(),
+    )
+    try:
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        refusal = None
+    except ValueError as err:
+        refusal = str(err)
+    del state["optim"]["param_groups"][0][KEY]["replica"]  # replica 0's state, on purpose
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loaded = _full(model), _full_state(model, opt)
     _steps(model, opt, rank // 2, 3, 1)
-    return loaded
+    return refusal, loaded
 
 
 @multiprocess
-def test_every_replica_restarts_from_one_replicas_checkpoint(tmp_path):
+def test_every_replica_restarts_from_one_replicas_checkpoint_when_asked(tmp_path):
     saved = run_world(_from_one_copy, 4, str(tmp_path / "save"))
     loaded = run_world(_from_one_copy, 4, str(tmp_path / "load"))
     assert not _equal(saved[0][0], saved[2][0])  # the replicas differed when saved
-    for rank in range(4):
-        assert _equal(loaded[rank], saved[rank % 2])  # replica 0's shard of the same index
+    for rank, (refusal, values) in enumerate(loaded):
+        # unasked, replica 1 loading replica 0's state is refused on every rank
+        assert refusal is not None and "replica 1 of 2 loaded the optimizer state saved by " \
+            "replica 0" in refusal, refusal  # fmt: skip
+        assert _equal(values, saved[rank % 2])  # replica 0's shard of the same index
+
+
+# -- a full state dict saved on rank 0 and loaded everywhere ------------------------------------------
+
+
+def _gathered_on_rank_0(model, opt, how):
+    """The optimizer's state as a whole, the way scripts keep one file for a sharded model
+    (pytorch/examples' FSDP2 checkpointer): through torch's state-dict tools, or each DTensor's
+    full_tensor(); rank 0's is written."""
+    if how == "get_optimizer_state_dict":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(model, opt, options=whole)
+    saved = opt.state_dict()
+    state = {
+        index: {k: _full_tensor(v) for k, v in entry.items()}
+        for index, entry in saved["state"].items()
+    }
+    return {"param_groups": saved["param_groups"], "state": state}
+
+
+def _loaded_on_every_rank(model, opt, whole, how):
+    """Load rank 0's whole state into this rank's optimizer, as those scripts resume."""
+    if how == "get_optimizer_state_dict":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(model, opt, optim_state_dict=whole, options=options)
+        return
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    mine = opt.state_dict()
+    for group, saved in zip(mine["param_groups"], whole["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    for index, entry in mine["state"].items():
+        for k, v in whole["state"][index].items():
+            if isinstance(entry[k], DTensor):
+                v = distribute_tensor(v, entry[k].device_mesh, entry[k].placements)
+            entry[k] = v
+    opt.load_state_dict({"param_groups": mine["param_groups"], "state": mine["state"]})
+
+
+def _one_file_for_all(rank, world, path, how):
+    import torch.distributed as dist
+
+    model, opt, _ = _build()
+    _steps(model, opt, rank // 2, 0, 2)
+    whole = _gathered_on_rank_0(model, opt, how)
+    if rank == 0:
+        torch.save(whole, path)
+    dist.barrier()
+    model, opt, _ = _build()
+    before = _full_state(model, opt)
+    try:
+        _loaded_on_every_rank(model, opt, torch.load(path, weights_only=True), how)
+    except ValueError as err:
+        return str(err), _equal(before, _full_state(model, opt))
+    return None, False
+
+
+@multiprocess
+@pytest.mark.parametrize("how", ["get_optimizer_state_dict", "full_tensor"])
+def test_a_full_state_dict_saved_on_rank_0_is_refused_on_every_replica(how, tmp_path):
+    results = run_world(_one_file_for_all, 4, str(tmp_path / "optim.pt"), how)
+    for rank, (message, untouched) in enumerate(results):
+        assert message is not None, f"rank {rank} resumed from replica 0's state without a word"
+        assert "replica 1 of 2 loaded the optimizer state saved by replica 0" in message
+        assert "full_state_dict=True" in message and "f'ckpt/replica{replica}'" in message
+        # (set_optimizer_state_dict with broadcast_from_rank0 copies into the state's tensors
+        # itself before it calls load_state_dict: only the direct load can be kept clean)
+        if how == "full_tensor":
+            assert untouched, f"rank {rank}: the refused load changed the optimizer state"
 
 
 # -- Lightning's ModelParallelStrategy ---------------------------------------------------------------
