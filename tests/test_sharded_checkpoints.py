@@ -377,6 +377,7 @@ def test_a_full_state_dict_saved_on_rank_0_is_refused_on_every_replica(how, tmp_
 
 def _lightning_model_parallel(rank, world, out):
     import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
     from test_sharded import _batch, _model
     from torch.distributed.fsdp import fully_shard
@@ -384,13 +385,14 @@ def _lightning_model_parallel(rank, world, out):
     class Sharded(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = _model()
+            self.net, self.steps = _model(), 0
 
         def configure_model(self):
             for block in (self.net[0], self.net[2], self.net[4], self.net):
                 fully_shard(block, mesh=self.device_mesh["tensor_parallel"])
 
         def training_step(self, batch, index):
+            self.steps += 1
             x, y = batch
             return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -401,26 +403,46 @@ def _lightning_model_parallel(rank, world, out):
 
     x, y = _batch(0, 0)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+    module = Sharded()
     trainer = L.Trainer(
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
-        accelerator="cpu", devices=4, max_steps=2, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=4, max_steps=2, logger=False,
+        callbacks=[ModelCheckpoint(dirpath=out, every_n_train_steps=1)],
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
     )  # fmt: skip
-    trainer.fit(Sharded(), data)
     try:
-        trainer.save_checkpoint(f"{out}/last.ckpt")  # DCP over all ranks, Lightning's default
-    except BaseException as err:
-        return type(err).__name__, str(err)
-    return None
+        trainer.fit(module, data)  # it trained, then died at the first checkpoint's DCP save
+    except TypeError as err:
+        return module.steps, str(err)
+    return module.steps, None
 
 
 @multiprocess
 @needs_lightning
-def test_lightning_model_parallel_checkpoint_is_refused(tmp_path):
-    for result in run_world(_lightning_model_parallel, 4, str(tmp_path), timeout=300):
-        assert result is not None and "more than one replica of the model" in result[1], result
+def test_lightning_model_parallel_strategy_is_refused_at_setup(tmp_path):
+    for steps, message in run_world(_lightning_model_parallel, 4, str(tmp_path), timeout=300):
+        assert message is not None, "trained under ModelParallelStrategy without a word"
+        assert steps == 0, f"refused only after {steps} steps: {message}"
+        assert "decent_optim.integrations.lightning.DecentralizedModelParallelStrategy" in message
+        assert "ModelParallelStrategy with 2 replicas" in message, message
     written = [f for _, _, files in os.walk(tmp_path) for f in files]
     assert written == [], written
+
+
+def test_the_guards_refusal_names_lightnings_strategy():
+    # where a ModelParallelStrategy is not seen at setup (an optimizer built elsewhere), the
+    # refusal of its first checkpoint names the strategy to use
+    from unittest import mock
+
+    from decent_optim.gossip.dcp_guard import ReplicaGuard
+
+    guard = ReplicaGuard(1, 2, [2, 3])
+    with mock.patch("torch.distributed.get_rank", return_value=3):  # no process group here
+        with pytest.raises(ValueError, match="more than one replica") as caught:
+            guard.check([0, 1, 2, 3])
+    assert "DecentralizedModelParallelStrategy instead of ModelParallelStrategy" in str(
+        caught.value
+    )
 
 
 def _lightning_fit(out, epochs, ckpt_path=None):

@@ -24,7 +24,7 @@ from decent_optim._validation import (
     check_timeout,
     check_unsupported,
 )
-from decent_optim.optim import checkpoint, consensus, local_checkpoint, stepping
+from decent_optim.optim import checkpoint, consensus, frameworks, local_checkpoint, stepping
 from decent_optim.optim import local_steps as periodic
 from decent_optim.optim.failure import FailureLatch, guarded, guarded_block
 from decent_optim.optim.inputs import AveragedCheck
@@ -182,6 +182,7 @@ class DecentralizedOptimizer(Optimizer):
         self._flat_state.prefill(self.state, self.param_groups)  # sharded only: see there
         self._group_params = [list(g["params"]) for g in self.param_groups]
         self._averaged = AveragedCheck()
+        frameworks.check_strategy(type(self).__name__, self.world_size)  # Lightning's, if any
 
     # -- public -------------------------------------------------------------------------------
     @property
