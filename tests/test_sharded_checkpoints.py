@@ -341,11 +341,16 @@ def _loaded_on_every_rank(model, opt, whole, how):
 
 
 def _one_file_for_all(rank, world, path, how):
+    """Save at step 2 both ways -- rank 0's whole state, and every rank's own file -- then load
+    rank 0's on every rank (refused), then resume from the rank's own file as
+    docs/migrating_from_ddp.rst does (the model before the optimizer is built) for step 3."""
     import torch.distributed as dist
+    from test_sharded import _model, _shard
 
     model, opt, _ = _build()
     _steps(model, opt, rank // 2, 0, 2)
     whole = _gathered_on_rank_0(model, opt, how)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{path}.rank{rank}.pt")
     if rank == 0:
         torch.save(whole, path)
     dist.barrier()
@@ -353,16 +358,27 @@ def _one_file_for_all(rank, world, path, how):
     before = _full_state(model, opt)
     try:
         _loaded_on_every_rank(model, opt, torch.load(path, weights_only=True), how)
+        refused, untouched = None, False
     except ValueError as err:
-        return str(err), _equal(before, _full_state(model, opt))
-    return None, False
+        refused, untouched = str(err), _equal(before, _full_state(model, opt))
+    model = _model()
+    mesh = _shard(model, 2, 2)
+    saved = torch.load(f"{path}.rank{rank}.pt", weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt = decent_optim.DecentralizedAdamW(
+        model.parameters(), lr=1e-2, process_group=mesh["replicate"]
+    )
+    opt.load_state_dict(saved["opt"])
+    _steps(model, opt, rank // 2, 2, 1)
+    return refused, untouched, (_full(model), _full_state(model, opt))
 
 
 @multiprocess
 @pytest.mark.parametrize("how", ["get_optimizer_state_dict", "full_tensor"])
 def test_a_full_state_dict_saved_on_rank_0_is_refused_on_every_replica(how, tmp_path):
     results = run_world(_one_file_for_all, 4, str(tmp_path / "optim.pt"), how)
-    for rank, (message, untouched) in enumerate(results):
+    straight = run_world(_trained, 4, 3)
+    for rank, (message, untouched, resumed) in enumerate(results):
         assert message is not None, f"rank {rank} resumed from replica 0's state without a word"
         assert "replica 1 of 2 loaded the optimizer state saved by replica 0" in message
         assert "full_state_dict=True" in message and "f'ckpt/replica{replica}'" in message
@@ -370,6 +386,7 @@ def test_a_full_state_dict_saved_on_rank_0_is_refused_on_every_replica(how, tmp_
         # itself before it calls load_state_dict: only the direct load can be kept clean)
         if how == "full_tensor":
             assert untouched, f"rank {rank}: the refused load changed the optimizer state"
+        assert _equal(resumed, straight[rank]), f"rank {rank}: the per-rank resume is not exact"
 
 
 # -- Lightning's ModelParallelStrategy ---------------------------------------------------------------
@@ -445,7 +462,7 @@ def test_the_guards_refusal_names_lightnings_strategy():
     )
 
 
-def _lightning_fit(out, epochs, ckpt_path=None):
+def _lightning_fit(out, epochs, ckpt_path=None, **options):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from test_sharded import _batch, _model
@@ -476,9 +493,11 @@ def _lightning_fit(out, epochs, ckpt_path=None):
     x, y = _batch(0, 0)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
     module = Sharded()
+    strategy = DecentralizedModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=2, **options
+    )
     trainer = L.Trainer(
-        strategy=DecentralizedModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
-        accelerator="cpu", devices=4, max_epochs=epochs, logger=False,
+        strategy=strategy, accelerator="cpu", devices=4, max_epochs=epochs, logger=False,
         callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1)],
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
     )  # fmt: skip
@@ -501,6 +520,25 @@ def test_lightning_decentralized_model_parallel_resumes_per_replica(tmp_path):
         assert len(losses) == 6 and resumed_losses == losses[2:]  # 2 steps per epoch
         assert _equal(resumed, params)
     assert results[0][0] != results[2][0]  # the replicas trained apart
+
+
+def _lightning_resume_from_a_whole_file(rank, world, out):
+    # save_distributed_checkpoint=False: ModelParallelStrategy's one file, rank 0's replica whole
+    _lightning_fit(out, 1, save_distributed_checkpoint=False)
+    try:
+        _lightning_fit(out, 2, f"{out}/epoch=0-step=2.ckpt", save_distributed_checkpoint=False)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@multiprocess
+@needs_lightning
+def test_lightning_resume_from_one_replicas_whole_file_is_refused(tmp_path):
+    for message in run_world(_lightning_resume_from_a_whole_file, 4, str(tmp_path), timeout=300):
+        assert message is not None, "replica 1 resumed from replica 0's state without a word"
+        assert "replica 1 of 2 loaded the optimizer state saved by replica 0" in message
+        assert "save_distributed_checkpoint=True (the default)" in message, message
 
 
 def test_the_guard_outside_a_dcp_save_warns_and_still_plans_one_item():
