@@ -145,6 +145,8 @@ class History:
     eval_steps: list[int] = field(default_factory=list)
     eval_loss: list[float] = field(default_factory=list)  # of the consensus model
     ms_per_iter: float = float("nan")
+    first_step: int = 1  # after a resume: the step after the checkpoint's
+    steps_run: int = 0  # by this process (a resumed run does not repeat the saved steps)
 
 
 @torch.no_grad()
@@ -200,7 +202,7 @@ def train(args, method: str, data: torch.Tensor, val_batches: list, vocab: int) 
     first = 1
     if method == "decentralized" and args.checkpoint_dir:
         first = 1 + resume(args, model, opt, gen, rank)
-    hist = History(name)
+    hist = History(name, first_step=first, steps_run=max(0, args.steps + 1 - first))
     if rank == 0:
         print(
             f"== {name}: world size {world_size}, global batch {args.batch_size * world_size}, "
@@ -241,7 +243,7 @@ def train(args, method: str, data: torch.Tensor, val_batches: list, vocab: int) 
         if step % args.eval_every == 0 or step == args.steps:
             hist.eval_steps.append(step)
             hist.eval_loss.append(evaluate_consensus(model, eval_model, val_batches, world_size))
-            ms = 1000 * (time.perf_counter() - start) / step
+            ms = 1000 * (time.perf_counter() - start) / (step + 1 - first)  # steps timed
             if rank == 0:  # tqdm.write prints on every rank, disabled bar or not
                 bar.write(
                     f"step {step:4d} | train loss {hist.train_loss[-1]:.3f} (mean over ranks) "
@@ -251,9 +253,22 @@ def train(args, method: str, data: torch.Tensor, val_batches: list, vocab: int) 
         opt.synchronize()  # mix in the gossip round still in flight
     if method == "decentralized" and args.checkpoint_dir:
         dopt.checkpoint.wait(args.checkpoint_dir)  # the save in flight (rank 0 commits it)
-    hist.ms_per_iter = 1000 * (time.perf_counter() - start) / max(1, args.steps + 1 - first)
+    hist.ms_per_iter = 1000 * (time.perf_counter() - start) / max(1, hist.steps_run)
     bar.close()
     return hist
+
+
+def summary(h: History, steps: int) -> str:
+    """The closing line of a run; a resumed run names the step it started from, not step 1."""
+    if not h.steps_run:
+        return f"done: {h.name}: nothing to train, the checkpoint is at step {steps} already"
+    resumed = f"resumed at step {h.first_step}, " if h.first_step > 1 else ""
+    return (
+        f"done: {h.name}: train loss {h.train_loss[0]:.3f} (step {h.train_steps[0]}) -> "
+        f"{h.train_loss[-1]:.3f} (step {h.train_steps[-1]}), held-out loss "
+        f"{h.eval_loss[-1]:.3f}, {h.ms_per_iter:.0f} ms/iteration over {h.steps_run} steps "
+        f"({resumed}{steps} in all)"
+    )
 
 
 def resume(args, model: nn.Module, opt, gen: torch.Generator, rank: int) -> int:
@@ -348,11 +363,7 @@ def main() -> None:
 
     if rank == 0:
         for h in histories:
-            print(
-                f"done: {h.name}: train loss {h.train_loss[0]:.3f} (step 1) -> "
-                f"{h.train_loss[-1]:.3f}, held-out loss {h.eval_loss[-1]:.3f}, "
-                f"{h.ms_per_iter:.0f} ms/iteration over {args.steps} steps"
-            )
+            print(summary(h, args.steps))
         if args.plot:
             plot(histories, args.plot)
             print(f"wrote {args.plot}")

@@ -120,3 +120,14 @@ def test_charlm_baseline_flag_runs_only_the_baseline(tmp_path: Path) -> None:
     args = ["--steps", "3", "--eval-every", "3", "--baseline", "allreduce"]
     proc = _run([sys.executable, str(EXAMPLES / "train_charlm.py"), *args], cwd=tmp_path)
     assert "done: All-Reduce" in proc.stdout and "decent_optim AdamW" not in proc.stdout
+
+
+def test_charlm_summary_after_a_resume_names_the_step_it_resumed_at(tmp_path: Path) -> None:
+    script = [sys.executable, str(EXAMPLES / "train_charlm.py"), "--checkpoint-dir", "ckpt"]
+    quick = ["--save-every", "2", "--eval-every", "100", "--log-every", "100"]
+    _run([*script, *quick, "--steps", "4"], cwd=tmp_path)  # checkpoints at steps 2 and 4
+    proc = _run([*script, *quick, "--steps", "6"], cwd=tmp_path)  # resumes at step 5
+    assert "resumed from step 4" in proc.stdout, proc.stdout
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("done: ")]
+    assert "(step 5) ->" in line and "(step 6)" in line, line  # the first step run: 5, not 1
+    assert "over 2 steps (resumed at step 5, 6 in all)" in line, line

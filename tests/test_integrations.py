@@ -574,6 +574,39 @@ def test_lightning_strategy_refuses_an_optimizer_that_would_train_each_rank_alon
         assert "got AdamW" in text
 
 
+def _lightning_ddp_with_our_optimizer(rank, world_size, out):
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class Decentralized(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.steps = nn.Linear(8, 1), 0
+
+        def training_step(self, batch, index):
+            self.steps += 1
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return dopt.DecentralizedAdamW(self.parameters(), lr=1e-2)
+
+    module = Decentralized()
+    trainer = L.Trainer(
+        max_epochs=1, strategy=DDPStrategy(), accelerator="cpu", devices=2,
+        logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=out,
+    )  # fmt: skip
+    return _type_error_of(lambda: trainer.fit(module, _regression_data(1, 16))), module.steps
+
+
+@needs_lightning
+@pytest.mark.multiprocess
+def test_lightning_ddp_strategy_with_a_decentralized_optimizer_is_refused_at_setup(tmp_path):
+    # DDP would all-reduce the gradients under the gossip and checkpoint rank 0's state only
+    for text, steps in run_world(_lightning_ddp_with_our_optimizer, 2, str(tmp_path), timeout=300):
+        assert "decent_optim.integrations.lightning.DecentralizedStrategy()" in text, text
+        assert "built under Lightning's DDPStrategy" in text and steps == 0, (text, steps)
+
+
 # -- torch's PostLocalSGDOptimizer with a gossip averager --------------------------------------------
 
 

@@ -253,25 +253,140 @@ def test_a_replica_checkpoint_resumes_at_another_shard_count(shards, tmp_path):
 
 def _from_one_copy(rank, world, path):
     """2 x 2 save per replica at step 3 and return what they saved; or every replica resumes
-    from replica 0's checkpoint, returns what it loaded and takes a step."""
+    from replica 0's checkpoint -- refused, then asked for -- returns the refusal and what it
+    loaded, and takes a step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     model, opt, mesh = _build()
     if path.endswith("save"):
         _steps(model, opt, rank // 2, 0, 3)
         _dcp_save_replica(model, opt, mesh, path, rank // 2)
         return _full(model), _full_state(model, opt)
-    _dcp_load_replica(model, opt, mesh, path.replace("load", "save"), 0)
+    state = _dcp_state(model, opt)
+    dcp.load(
+        state,
+        checkpoint_id=path.replace("load", "save/replica0"),
+        process_group=mesh["shard"].get_group(),
+    )
+    try:
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        refusal = None
+    except ValueError as err:
+        refusal = str(err)
+    del state["optim"]["param_groups"][0][KEY]["replica"]  # replica 0's state, on purpose
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loaded = _full(model), _full_state(model, opt)
     _steps(model, opt, rank // 2, 3, 1)
-    return loaded
+    return refusal, loaded
 
 
 @multiprocess
-def test_every_replica_restarts_from_one_replicas_checkpoint(tmp_path):
+def test_every_replica_restarts_from_one_replicas_checkpoint_when_asked(tmp_path):
     saved = run_world(_from_one_copy, 4, str(tmp_path / "save"))
     loaded = run_world(_from_one_copy, 4, str(tmp_path / "load"))
     assert not _equal(saved[0][0], saved[2][0])  # the replicas differed when saved
-    for rank in range(4):
-        assert _equal(loaded[rank], saved[rank % 2])  # replica 0's shard of the same index
+    for rank, (refusal, values) in enumerate(loaded):
+        # unasked, replica 1 loading replica 0's state is refused on every rank
+        assert refusal is not None and "replica 1 of 2 loaded the optimizer state saved by " \
+            "replica 0" in refusal, refusal  # fmt: skip
+        assert _equal(values, saved[rank % 2])  # replica 0's shard of the same index
+
+
+# -- a full state dict saved on rank 0 and loaded everywhere ------------------------------------------
+
+
+def _gathered_on_rank_0(model, opt, how):
+    """The optimizer's state as a whole, the way scripts keep one file for a sharded model
+    (pytorch/examples' FSDP2 checkpointer): through torch's state-dict tools, or each DTensor's
+    full_tensor(); rank 0's is written."""
+    if how == "get_optimizer_state_dict":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(model, opt, options=whole)
+    saved = opt.state_dict()
+    state = {
+        index: {k: _full_tensor(v) for k, v in entry.items()}
+        for index, entry in saved["state"].items()
+    }
+    return {"param_groups": saved["param_groups"], "state": state}
+
+
+def _loaded_on_every_rank(model, opt, whole, how):
+    """Load rank 0's whole state into this rank's optimizer, as those scripts resume."""
+    if how == "get_optimizer_state_dict":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(model, opt, optim_state_dict=whole, options=options)
+        return
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    mine = opt.state_dict()
+    for group, saved in zip(mine["param_groups"], whole["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    for index, entry in mine["state"].items():
+        for k, v in whole["state"][index].items():
+            if isinstance(entry[k], DTensor):
+                v = distribute_tensor(v, entry[k].device_mesh, entry[k].placements)
+            entry[k] = v
+    opt.load_state_dict({"param_groups": mine["param_groups"], "state": mine["state"]})
+
+
+def _one_file_for_all(rank, world, path, how):
+    """Save at step 2 both ways -- rank 0's whole state, and every rank's own file -- then load
+    rank 0's on every rank (refused), then resume from the rank's own file as
+    docs/migrating_from_ddp.rst does (the model before the optimizer is built) for step 3."""
+    import torch.distributed as dist
+    from test_sharded import _model, _shard
+
+    model, opt, _ = _build()
+    _steps(model, opt, rank // 2, 0, 2)
+    whole = _gathered_on_rank_0(model, opt, how)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{path}.rank{rank}.pt")
+    if rank == 0:
+        torch.save(whole, path)
+    dist.barrier()
+    model, opt, _ = _build()
+    before = _full_state(model, opt)
+    try:
+        _loaded_on_every_rank(model, opt, torch.load(path, weights_only=True), how)
+        refused, untouched = None, False
+    except ValueError as err:
+        refused, untouched = str(err), _equal(before, _full_state(model, opt))
+    model = _model()
+    mesh = _shard(model, 2, 2)
+    saved = torch.load(f"{path}.rank{rank}.pt", weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt = decent_optim.DecentralizedAdamW(
+        model.parameters(), lr=1e-2, process_group=mesh["replicate"]
+    )
+    opt.load_state_dict(saved["opt"])
+    _steps(model, opt, rank // 2, 2, 1)
+    return refused, untouched, (_full(model), _full_state(model, opt))
+
+
+@multiprocess
+@pytest.mark.parametrize("how", ["get_optimizer_state_dict", "full_tensor"])
+def test_a_full_state_dict_saved_on_rank_0_is_refused_on_every_replica(how, tmp_path):
+    results = run_world(_one_file_for_all, 4, str(tmp_path / "optim.pt"), how)
+    straight = run_world(_trained, 4, 3)
+    for rank, (message, untouched, resumed) in enumerate(results):
+        assert message is not None, f"rank {rank} resumed from replica 0's state without a word"
+        assert "replica 1 of 2 loaded the optimizer state saved by replica 0" in message
+        assert "full_state_dict=True" in message and "f'ckpt/replica{replica}'" in message
+        # (set_optimizer_state_dict with broadcast_from_rank0 copies into the state's tensors
+        # itself before it calls load_state_dict: only the direct load can be kept clean)
+        if how == "full_tensor":
+            assert untouched, f"rank {rank}: the refused load changed the optimizer state"
+        assert _equal(resumed, straight[rank]), f"rank {rank}: the per-rank resume is not exact"
 
 
 # -- Lightning's ModelParallelStrategy ---------------------------------------------------------------
@@ -279,6 +394,7 @@ def test_every_replica_restarts_from_one_replicas_checkpoint(tmp_path):
 
 def _lightning_model_parallel(rank, world, out):
     import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
     from test_sharded import _batch, _model
     from torch.distributed.fsdp import fully_shard
@@ -286,13 +402,14 @@ def _lightning_model_parallel(rank, world, out):
     class Sharded(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = _model()
+            self.net, self.steps = _model(), 0
 
         def configure_model(self):
             for block in (self.net[0], self.net[2], self.net[4], self.net):
                 fully_shard(block, mesh=self.device_mesh["tensor_parallel"])
 
         def training_step(self, batch, index):
+            self.steps += 1
             x, y = batch
             return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -303,29 +420,49 @@ def _lightning_model_parallel(rank, world, out):
 
     x, y = _batch(0, 0)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+    module = Sharded()
     trainer = L.Trainer(
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
-        accelerator="cpu", devices=4, max_steps=2, logger=False, enable_checkpointing=False,
+        accelerator="cpu", devices=4, max_steps=2, logger=False,
+        callbacks=[ModelCheckpoint(dirpath=out, every_n_train_steps=1)],
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
     )  # fmt: skip
-    trainer.fit(Sharded(), data)
     try:
-        trainer.save_checkpoint(f"{out}/last.ckpt")  # DCP over all ranks, Lightning's default
-    except BaseException as err:
-        return type(err).__name__, str(err)
-    return None
+        trainer.fit(module, data)  # it trained, then died at the first checkpoint's DCP save
+    except TypeError as err:
+        return module.steps, str(err)
+    return module.steps, None
 
 
 @multiprocess
 @needs_lightning
-def test_lightning_model_parallel_checkpoint_is_refused(tmp_path):
-    for result in run_world(_lightning_model_parallel, 4, str(tmp_path), timeout=300):
-        assert result is not None and "more than one replica of the model" in result[1], result
+def test_lightning_model_parallel_strategy_is_refused_at_setup(tmp_path):
+    for steps, message in run_world(_lightning_model_parallel, 4, str(tmp_path), timeout=300):
+        assert message is not None, "trained under ModelParallelStrategy without a word"
+        assert steps == 0, f"refused only after {steps} steps: {message}"
+        assert "decent_optim.integrations.lightning.DecentralizedModelParallelStrategy" in message
+        assert "ModelParallelStrategy with 2 replicas" in message, message
     written = [f for _, _, files in os.walk(tmp_path) for f in files]
     assert written == [], written
 
 
-def _lightning_fit(out, epochs, ckpt_path=None):
+def test_the_guards_refusal_names_lightnings_strategy():
+    # where a ModelParallelStrategy is not seen at setup (an optimizer built elsewhere), the
+    # refusal of its first checkpoint names the strategy to use
+    from unittest import mock
+
+    from decent_optim.gossip.dcp_guard import ReplicaGuard
+
+    guard = ReplicaGuard(1, 2, [2, 3])
+    with mock.patch("torch.distributed.get_rank", return_value=3):  # no process group here
+        with pytest.raises(ValueError, match="more than one replica") as caught:
+            guard.check([0, 1, 2, 3])
+    assert "DecentralizedModelParallelStrategy instead of ModelParallelStrategy" in str(
+        caught.value
+    )
+
+
+def _lightning_fit(out, epochs, ckpt_path=None, **options):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from test_sharded import _batch, _model
@@ -356,9 +493,11 @@ def _lightning_fit(out, epochs, ckpt_path=None):
     x, y = _batch(0, 0)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
     module = Sharded()
+    strategy = DecentralizedModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=2, **options
+    )
     trainer = L.Trainer(
-        strategy=DecentralizedModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
-        accelerator="cpu", devices=4, max_epochs=epochs, logger=False,
+        strategy=strategy, accelerator="cpu", devices=4, max_epochs=epochs, logger=False,
         callbacks=[ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1)],
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
     )  # fmt: skip
@@ -381,6 +520,25 @@ def test_lightning_decentralized_model_parallel_resumes_per_replica(tmp_path):
         assert len(losses) == 6 and resumed_losses == losses[2:]  # 2 steps per epoch
         assert _equal(resumed, params)
     assert results[0][0] != results[2][0]  # the replicas trained apart
+
+
+def _lightning_resume_from_a_whole_file(rank, world, out):
+    # save_distributed_checkpoint=False: ModelParallelStrategy's one file, rank 0's replica whole
+    _lightning_fit(out, 1, save_distributed_checkpoint=False)
+    try:
+        _lightning_fit(out, 2, f"{out}/epoch=0-step=2.ckpt", save_distributed_checkpoint=False)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@multiprocess
+@needs_lightning
+def test_lightning_resume_from_one_replicas_whole_file_is_refused(tmp_path):
+    for message in run_world(_lightning_resume_from_a_whole_file, 4, str(tmp_path), timeout=300):
+        assert message is not None, "replica 1 resumed from replica 0's state without a word"
+        assert "replica 1 of 2 loaded the optimizer state saved by replica 0" in message
+        assert "save_distributed_checkpoint=True (the default)" in message, message
 
 
 def test_the_guard_outside_a_dcp_save_warns_and_still_plans_one_item():

@@ -176,5 +176,6 @@ def retarget(tree: Any) -> Any:
     return tree
 
 
-#: what ties a saved optimizer state to the world that saved it
-_OWNER_KEYS = ("world_size", "rank", "topology", "params")
+#: what ties a saved optimizer state to the world that saved it (a sharded optimizer's copy in
+#: ``param_groups[0]`` names its replica)
+_OWNER_KEYS = ("world_size", "rank", "replica", "topology", "params")

@@ -39,7 +39,9 @@ _WAYS_OUT = (
     "process_group=mesh['shard'].get_group()) with replica = mesh['replicate'].get_local_rank(); "
     "or save the consensus model only, where every replica holds it: with opt.averaged(model): "
     "dcp.save({'model': get_model_state_dict(model)}, checkpoint_id=...) (the optimizer states "
-    "of the replicas are not averaged). Docs: large_models, Checkpoints"
+    "of the replicas are not averaged). With Lightning, use "
+    "decent_optim.integrations.lightning.DecentralizedModelParallelStrategy instead of "
+    "ModelParallelStrategy: it saves one checkpoint per replica. Docs: large_models, Checkpoints"
 )
 
 

@@ -13,6 +13,8 @@ module                                         what it does
 :mod:`~decent_optim.optim.inputs`              the gradients a step reads, checked
 :mod:`~decent_optim.optim.consensus`           the averaged model for evaluation and export
 :mod:`~decent_optim.optim.checkpoint`          ``state_dict`` / ``load_state_dict``
+:mod:`~decent_optim.optim.ownership`           whose state a checkpoint holds; another's refused
+:mod:`~decent_optim.optim.frameworks`          a Lightning strategy that would run it wrong
 :mod:`~decent_optim.optim.options`             the keyword arguments every class shares
 ``dsgd``, ``dadam``, ``accum_adam``            the public classes: hyper-parameters + a rule
 =============================================  ==============================================

@@ -10,7 +10,8 @@ run bit for bit (all ranks resume together, so their sends match).
 
 Loading is a collective (:func:`agree_to_load`): before anything changes, each rank checks its
 file on its own -- torch.optim's structure, every state tensor's shape, every step count, and
-that the file is its own (same world size, rank and topology) -- and then one all-gather
+that the file is its own (same world size, rank or replica, and topology:
+:mod:`~decent_optim.optim.ownership`) -- and then one all-gather
 compares the round (counter and round in flight) across the ranks. Any problem raises the same
 error on every rank, naming the ranks, instead of a late gossip error on some of them.
 
@@ -32,6 +33,7 @@ from decent_optim import sharded
 from decent_optim.flat import FlatParams
 from decent_optim.gossip.dcp_guard import ReplicaGuard
 from decent_optim.optim.agreement import Account, agree
+from decent_optim.optim.ownership import KEY, REPLICA, check_owner
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.startup import Stash, fingerprint, topology_key
 from decent_optim.optim.state import (
@@ -68,8 +70,6 @@ class Checkpointed(Protocol):
 
 __all__ = ["KEY", "Checkpointed", "Resume", "agree_to_load", "load", "save"]
 
-KEY = "decent_optim"
-
 _HINTS = {
     "the round": "Every rank must load a checkpoint saved at the same step: save on every rank "
     "at the same step (not only where the loss improved), and call synchronize() before saving "
@@ -98,14 +98,21 @@ def save(optimizer: Checkpointed) -> dict[str, Any]:
         packed["param_groups"][0][KEY] = {k: packed[KEY][k] for k in shared}
         # ... and a guard that refuses a DCP save spanning several replicas (they differ)
         params = [p for b in optimizer._flat.buckets if b.mirror is not None for p in b.params]
-        packed["param_groups"][0][KEY]["replica"] = ReplicaGuard(
+        # (the replica's index also tells load_state_dict whose state it is: ownership.REPLICA)
+        packed["param_groups"][0][KEY][REPLICA] = ReplicaGuard(
             optimizer.rank, optimizer.world_size, sharded.replica_ranks(params)
         )
     return packed
 
 
-def load(optimizer: Checkpointed, state_dict: dict[str, Any]) -> None:
-    """``optimizer.load_state_dict``: check (:func:`agree_to_load`), then load, then resume."""
+def load(
+    optimizer: Checkpointed, state_dict: dict[str, Any], *, another_replica: bool = False
+) -> None:
+    """``optimizer.load_state_dict``: check (:func:`agree_to_load`), then load, then resume.
+
+    ``another_replica``: accept the state another rank (replica) saved (see
+    :mod:`~decent_optim.optim.ownership`).
+    """
     assert isinstance(optimizer, Optimizer)
     optimizer._rounds.check_free("load_state_dict()")
     state_dict = dict(state_dict)
@@ -115,7 +122,9 @@ def load(optimizer: Checkpointed, state_dict: dict[str, Any]) -> None:
         # a sharded optimizer's copy for torch.distributed.checkpoint (see save)
         state_dict["param_groups"] = [{k: v for k, v in g.items() if k != KEY} for g in groups]
         extra = extra if extra is not None else groups[0][KEY]
-    resume = agree_to_load(optimizer, state_dict, extra, *optimizer._where)
+    resume = agree_to_load(
+        optimizer, state_dict, extra, *optimizer._where, another_replica=another_replica
+    )
     Optimizer.load_state_dict(optimizer, state_dict)
     for group in optimizer.param_groups:  # keys a checkpoint of an older version lacks
         for key, value in optimizer.defaults.items():
@@ -146,14 +155,23 @@ def agree_to_load(
     extra: Any,
     group: Any,
     device: Any,
+    *,
+    another_replica: bool = False,
 ) -> Resume:
     """Check a checkpoint on every rank and across the ranks (module docstring); raises the same
-    error on every rank. ``group`` None: a world of one."""
+    error on every rank. ``group`` None: a world of one. ``another_replica``: a file of another
+    rank or replica is meant (:func:`~decent_optim.optim.ownership.check_owner`)."""
     account, own, resume = Account(), None, Resume(0, False, None)
     try:
         _check_structure(optimizer, state_dict)
         resume = _read(extra, state_dict)
-        _check_owner(optimizer, extra)
+        check_owner(
+            optimizer.world_size,
+            optimizer.rank,
+            optimizer.topology,
+            extra,
+            another_replica=another_replica,
+        )
         flight = "a round in flight" if resume.pending else "no round in flight"
         account.settings = [("the round", f"{resume.count} steps done, {flight}")]
     except Exception as err:
@@ -192,40 +210,6 @@ def _read(extra: Any, state_dict: dict[str, Any]) -> Resume:
         raise ValueError(f"state_dict[{KEY!r}]['pending'] must be a bool, got {pending!r}")
     params = extra.get("params")
     return Resume(int(count), pending, params if isinstance(params, list) else None)
-
-
-def _check_owner(optimizer: Checkpointed, extra: Any) -> None:
-    """Raise if the checkpoint was saved by another world size, rank or topology."""
-    if extra is None:
-        return
-    fix = f"(or, to do so on purpose, delete that key from state_dict[{KEY!r}])"
-    saved = extra.get("world_size")
-    if saved is not None and saved != optimizer.world_size:
-        raise ValueError(
-            f"the checkpoint was saved by a run of {saved} ranks, this one has "
-            f"{optimizer.world_size}: resume with the world size it was saved with, or save "
-            "with decent_optim.checkpoint.save(dir, model, opt, step=step) and resume with "
-            f"decent_optim.checkpoint.load(dir, model, opt), which resumes at another world size {fix}"
-        )
-    saved = extra.get("rank")
-    if saved is not None and saved != optimizer.rank:
-        raise ValueError(
-            f"rank {optimizer.rank} loaded the checkpoint saved by rank {saved}: every rank saves "
-            "and loads a file of its own (torch.save on every rank to f'ckpt-rank{rank}.pt', or "
-            "decent_optim.checkpoint.save(dir, model, opt, step=step) and load(dir, model, opt), "
-            "which do that for you; "
-            "Accelerate's, the HF Trainer's and "
-            "Lightning's own checkpoints hold rank 0's state only: use DecentralizedAccelerator, "
-            "DecentralizedTrainer or, with Lightning, "
-            "decent_optim.integrations.lightning.DecentralizedStrategy, which keep a file per "
-            f"rank) {fix}"
-        )
-    saved, mine = extra.get("topology"), topology_key(optimizer.topology)
-    if saved is not None and saved != mine:
-        raise ValueError(
-            f"the checkpoint was saved with topology {saved}, this optimizer has {mine}: build it "
-            f"with the topology of the saved run {fix}"
-        )
 
 
 def _check_structure(optimizer: Checkpointed, state_dict: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from decent_optim._validation import (
     check_timeout,
     check_unsupported,
 )
-from decent_optim.optim import checkpoint, consensus, local_checkpoint, stepping
+from decent_optim.optim import checkpoint, consensus, frameworks, local_checkpoint, stepping
 from decent_optim.optim import local_steps as periodic
 from decent_optim.optim.failure import FailureLatch, guarded, guarded_block
 from decent_optim.optim.inputs import AveragedCheck
@@ -182,6 +182,7 @@ class DecentralizedOptimizer(Optimizer):
         self._flat_state.prefill(self.state, self.param_groups)  # sharded only: see there
         self._group_params = [list(g["params"]) for g in self.param_groups]
         self._averaged = AveragedCheck()
+        frameworks.check_strategy(type(self).__name__, self.world_size)  # Lightning's, if any
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -307,19 +308,21 @@ class DecentralizedOptimizer(Optimizer):
         return packed
 
     @guarded
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, another_replica: bool = False) -> None:
         """Load torch.optim-format state; the round counter comes from the ``decent_optim`` entry.
 
         A collective: every rank loads its own file at the same point, and a file of another
-        rank, world size, topology or step raises the same error on every rank before anything
-        changes. Without the entry (a torch.optim checkpoint) the counter is the largest
-        per-parameter ``step``, or 0. Resuming works in both orders (model weights loaded
-        before or after building the optimizer; see :class:`~decent_optim.optim.startup.Stash`).
+        rank (replica), world size, topology or step raises the same error on every rank before
+        anything changes; ``another_replica=True`` loads another rank's on purpose (e.g. every
+        rank from one copy; see :mod:`~decent_optim.optim.ownership`). Without the entry (a
+        torch.optim checkpoint) the counter is the largest per-parameter ``step``, or 0.
+        Resuming works in both orders (model weights loaded before or after building the
+        optimizer; see :class:`~decent_optim.optim.startup.Stash`).
         """
         extra = state_dict.get(checkpoint.KEY)
         entry = extra.get(local_checkpoint.ENTRY) if isinstance(extra, dict) else None
         local_checkpoint.check(self._rounds, entry)
-        checkpoint.load(self, state_dict)
+        checkpoint.load(self, state_dict, another_replica=another_replica)
         local_checkpoint.restore(self._rounds, entry, self._params_in_order())
 
     def _params_in_order(self) -> list[Tensor]:
