@@ -94,7 +94,8 @@ def load(
     group, device = opt._where
     timeout: datetime.timedelta | None = getattr(opt._rounds.gossip, "timeout", None)
     folder_root = Path(root).resolve()
-    failure = writers.flush(folder_root)  # this process's save in flight, finished first
+    flushed = writers.flush(folder_root)  # this process's save in flight, finished first
+    failure = None if flushed is None else str(flushed)
     choice: tuple[str, dict[str, Any]] | None = None
     if opt.rank == 0 and failure is None:
         try:
@@ -115,7 +116,7 @@ def load(
             f"decent_optim.checkpoint.load from {root} failed before loading anything ("
             + "; ".join(failed)
             + ")"
-        )
+        ) from flushed
     choice = everyone[0][0]
     if opt.rank == 0:  # every rank has finished its saves in flight: none is still writing
         directory.clean(folder_root, keep=Path(choice[0]) if choice else None)

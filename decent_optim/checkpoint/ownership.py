@@ -4,8 +4,8 @@ Two optimizers saving into one folder (a GAN's generator and discriminator) writ
 names at the same step; the second would overwrite the first, and ``load`` would give one model
 the other's weights. Three checks keep them apart:
 
-* in this process, a folder belongs to the optimizer that first saved into it or last loaded
-  from it, while that optimizer lives (a weak reference); a save into it by another optimizer is
+* in this process, a folder belongs to the optimizer that last saved into it or loaded from
+  it, while that optimizer lives (a weak reference); a save into it by another optimizer is
   refused -- this catches models of the same architecture too;
 * across processes, a save over an existing file of the same step and rank compares that file's
   optimizer class and model layout (parameter and buffer names and shapes) with its own;

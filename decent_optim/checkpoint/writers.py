@@ -9,8 +9,9 @@ A process that ends without any of them -- its script never called ``wait()`` --
 on stderr at exit (:func:`report_at_exit`): the interpreter first finishes the writers (they are
 not daemons), then this hook names every save that failed, and every step folder this process
 wrote into that is still not a checkpoint (no manifest) after ``saving.EXIT_GRACE_S`` seconds
--- the sign of a rank that never saved that step. The exit status cannot be changed after the
-script has ended: call ``wait()`` at the end to get these as exceptions.
+-- the sign of a rank that never saved that step (skipped when the script died of an exception,
+so that a failing rank exits at once). The exit status cannot be changed after the script has
+ended: call ``wait()`` at the end to get these as exceptions.
 """
 
 from __future__ import annotations
@@ -82,12 +83,13 @@ def wait(root: str | os.PathLike[str]) -> Path | None:
     return writer.result
 
 
-def flush(root: Path) -> str | None:
-    """Finish this process's save in flight into ``root``; its error as text, or None."""
+def flush(root: Path) -> RuntimeError | None:
+    """Finish this process's save in flight into ``root``; return its error (from :func:`wait`)
+    instead of raising it, or None."""
     try:
         wait(root)
     except RuntimeError as err:
-        return str(err)
+        return err
     return None
 
 
@@ -112,6 +114,9 @@ def report_at_exit(grace: float | None = None) -> list[str]:
                 f"{type(writer.error).__name__}: {writer.error}"
             )
             _LAST.pop(root, None)  # said already
+    if getattr(sys, "last_value", None) is not None:
+        # the script died of an exception, which said enough: exit now, not after the grace
+        _LAST.clear()
     deadline = time.monotonic() + grace
     for root, (folder, commits) in list(_LAST.items()):
         while not commits and not _complete(folder) and time.monotonic() < deadline:
