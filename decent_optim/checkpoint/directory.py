@@ -13,8 +13,10 @@ then renamed to its final name (``os.replace`` is atomic on POSIX), and the fold
 that the rename itself survives a power cut. So a file under its final name is complete, and a
 step folder is a checkpoint exactly when it holds ``manifest.json``: a process killed in the
 middle of a save leaves a folder without it, which :func:`latest` skips and :func:`clean`
-removes. The manifest records the world size, step, topology, optimizer class and every rank's
-file with its size, which :func:`latest` checks again.
+removes. A write that fails (a full disk) removes its temporary file and raises
+:class:`WriteError`, an ``OSError``, whatever form the failure took inside ``torch.save``. The
+manifest records the world size, step, topology, optimizer class and every rank's file with its
+size, which :func:`latest` checks again.
 """
 
 from __future__ import annotations
