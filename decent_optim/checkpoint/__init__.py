@@ -10,8 +10,11 @@ One call per rank to save, one to load::
     decent_optim.checkpoint.wait("ckpt")
 
 A folder per step, a file per rank, a manifest written last (:mod:`.directory`); saving without
-collectives, in the background if asked (:mod:`.saving`); loading at the saved world size (exact)
-or another one (:mod:`.resize`'s rule, :mod:`.loading`).
+collectives, in the background if asked (:mod:`.saving`, :mod:`.writers`); loading at the saved
+world size (exact) or another one (:mod:`.resize`'s rule, :mod:`.loading`). What would lose or
+mix checkpoints is refused before anything is written: bad arguments, sharded models, an
+``extra`` that would not load back (:mod:`.refusals`), two models in one folder
+(:mod:`.ownership`).
 
 Why ``torch.save`` and not ``torch.distributed.checkpoint`` (DCP): DCP saves one logical copy of a
 tensor that every rank holds (it deduplicates replicated state) and reshards *slices* of one
@@ -21,9 +24,9 @@ resize rule needs all N copies (their mean) or a chosen one, which DCP's planner
 process group (the background writer runs no collective).
 """
 
-from decent_optim.checkpoint.directory import Manifest, latest
+from decent_optim.checkpoint.directory import Manifest, WriteError, latest
 from decent_optim.checkpoint.loading import Resumed, load
 from decent_optim.checkpoint.resize import RULES
 from decent_optim.checkpoint.saving import save, wait
 
-__all__ = ["RULES", "Manifest", "Resumed", "latest", "load", "save", "wait"]
+__all__ = ["RULES", "Manifest", "Resumed", "WriteError", "latest", "load", "save", "wait"]

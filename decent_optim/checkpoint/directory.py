@@ -13,8 +13,10 @@ then renamed to its final name (``os.replace`` is atomic on POSIX), and the fold
 that the rename itself survives a power cut. So a file under its final name is complete, and a
 step folder is a checkpoint exactly when it holds ``manifest.json``: a process killed in the
 middle of a save leaves a folder without it, which :func:`latest` skips and :func:`clean`
-removes. The manifest records the world size, step, topology, optimizer class and every rank's
-file with its size, which :func:`latest` checks again.
+removes. A write that fails (a full disk) removes its temporary file and raises
+:class:`WriteError`, an ``OSError``, whatever form the failure took inside ``torch.save``. The
+manifest records the world size, step, topology, optimizer class and every rank's file with its
+size, which :func:`latest` checks again.
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ from typing import Any
 import torch
 
 __all__ = [
+    "HEADER",
     "MANIFEST",
     "Manifest",
+    "WriteError",
     "clean",
     "commit_manifest",
+    "complete_steps",
     "latest",
     "prune",
     "rank_file",
@@ -45,6 +50,8 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
+#: the key of the header (step, world size, rank, run, optimizer class) in every rank file
+HEADER = "decent_optim_checkpoint"
 FORMAT = 1
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
@@ -79,10 +86,28 @@ def _sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+class WriteError(OSError):
+    """Writing a checkpoint file failed (disk full, quota, I/O error); nothing was replaced."""
+
+
+def _cause(err: BaseException) -> OSError | None:
+    """The OS error behind a failed write: ``err`` itself, or what torch's zip writer turned
+    into a RuntimeError (``unexpected pos 4096 vs 4000`` when a write came up short)."""
+    if isinstance(err, OSError):
+        return err
+    if isinstance(err, RuntimeError):
+        if isinstance(err.__context__, OSError):
+            return err.__context__
+        if any(mark in str(err) for mark in ("unexpected pos", "PytorchStreamWriter")):
+            return OSError(f"torch.save: {err}")
+    return None
+
+
 def write_atomically(path: Path, write: Any) -> int:
     """Call ``write(file)`` on a temporary file next to ``path``, sync it, rename it to ``path``.
 
-    Returns the file's size. A crash at any point leaves ``path`` as it was (absent or whole).
+    Returns the file's size. A crash at any point leaves ``path`` as it was (absent or whole);
+    a failed write removes the temporary file and raises :class:`WriteError`.
     """
     partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
@@ -92,9 +117,20 @@ def write_atomically(path: Path, write: Any) -> int:
             os.fsync(f.fileno())
         size = partial.stat().st_size
         os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    except BaseException as err:
+        try:
+            partial.unlink(missing_ok=True)
+        except OSError:
+            pass  # the error below matters more; a left partial file is never loaded
+        cause = _cause(err)
+        if cause is None:
+            raise
+        failure = WriteError(
+            f"writing {path} failed (disk full or write failed: {type(err).__name__}: {err}); "
+            f"{path.name} was left as it was and the partial file was removed"
+        )
+        failure.errno = cause.errno
+        raise failure from err
     _sync_folder(path.parent)
     return size
 
@@ -173,10 +209,16 @@ def latest(root: Path, step: int | None = None) -> tuple[Path, Manifest] | None:
     return None
 
 
+def complete_steps(root: Path) -> list[int]:
+    """The steps of the complete checkpoints under ``root``, newest first."""
+    return [step for step, folder in _step_folders(root) if read_manifest(folder) is not None]
+
+
 def clean(root: Path, keep: Path | None) -> list[Path]:
-    """Remove the step folders without a manifest (saves a kill interrupted), except ``keep``;
-    returns them. Call it only while no rank saves (at load, before training). A folder whose
-    manifest names missing or resized files is damaged, not partial: it is left for a person."""
+    """Remove the step folders without a manifest (saves a kill interrupted, or that failed),
+    except ``keep``; returns them. Call it only while no rank saves (``load`` calls it once every
+    rank has finished its saves in flight). A folder whose manifest names missing or resized
+    files is damaged, not partial: it is left for a person."""
     removed = []
     for _, folder in _step_folders(root):
         if folder != keep and not (folder / MANIFEST).exists():

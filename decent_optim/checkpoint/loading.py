@@ -2,22 +2,32 @@
 
 A collective, called on every rank after building the model and the optimizer, before training:
 
-1. rank 0 finds the newest complete checkpoint (:func:`~decent_optim.checkpoint.directory.latest`)
-   and removes the step folders a killed save left without a manifest; every rank takes rank 0's
-   choice (one all-gather), so no two ranks resume from different steps;
+1. each rank first finishes its own save in flight into the folder (:func:`.writers.flush`), so
+   a load never reads around it, nor removes the step folder it writes; rank 0 finds the newest
+   complete checkpoint (:func:`~decent_optim.checkpoint.directory.latest`); every rank takes
+   rank 0's choice (one all-gather, bounded by the optimizer's ``timeout=``: a rank that never
+   calls ``load`` is named in a :class:`~decent_optim.gossip.GossipError` on the others), so no
+   two ranks resume from different steps; then rank 0 removes the step folders a killed or
+   failed save left without a manifest;
 2. with the world size and topology it was saved with, each rank reads its own file and the run
    continues exactly as if it had not stopped; with another world size (or topology), each rank
    builds its start from the saved files by the rule of :mod:`~decent_optim.checkpoint.resize`
    (``"consensus"`` by default), reading them one at a time;
 3. every file read is checked to be the file of that rank, step, run and optimizer class the
-   manifest names, and the ranks agree that all went well before the optimizer is touched
-   (:func:`~decent_optim.optim.agreement.agree`); then the model's and the optimizer's
-   ``load_state_dict`` run (the optimizer's cross-checks the round counters, see
+   manifest names, and of this model's layout (a file that cannot be read is named, with the
+   earlier steps to load instead); the model's ``load_state_dict`` runs, and the ranks agree
+   that all went well before the optimizer is touched
+   (:func:`~decent_optim.optim.agreement.agree`, bounded the same way); then the optimizer's
+   ``load_state_dict`` runs (it cross-checks the round counters, see
    :mod:`decent_optim.optim.checkpoint`).
+
+Sharded models (DTensor parameters) are refused at once, on every rank
+(:mod:`~decent_optim.checkpoint.refusals`).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,16 +35,21 @@ from typing import Any
 
 import torch
 
-from decent_optim.checkpoint import directory, resize
-from decent_optim.gossip import gather_objects
+from decent_optim.checkpoint import directory, ownership, refusals, resize, writers
+from decent_optim.checkpoint.directory import HEADER
+from decent_optim.gossip import Arrival, gather_objects
 from decent_optim.optim.agreement import Account, agree
 from decent_optim.optim.startup import topology_key
 from decent_optim.wrappers import unwrap
 
 __all__ = ["HEADER", "Resumed", "load"]
 
-#: the key of the header in every rank file
-HEADER = "decent_optim_checkpoint"
+#: what a wait in ``load`` usually means, for its GossipError
+_WAIT_HINT = (
+    "Every rank must call decent_optim.checkpoint.load() at the same point, after building the "
+    "optimizer; a rank may also have died, or be slow to read the folder (a shared filesystem "
+    "every rank sees). Pass a longer timeout= to the optimizer to wait longer"
+)
 
 
 @dataclass
@@ -72,22 +87,40 @@ def load(
     """
     if rule not in resize.RULES:
         raise ValueError(f"rule must be one of {resize.RULES}, got {rule!r}")
+    if step is not None:
+        refusals.check_step(step)
     opt = unwrap(optimizer)
+    refusals.refuse_sharded("load", [*model.parameters(), *_opt_params(opt)])
     group, device = opt._where
+    timeout: datetime.timedelta | None = getattr(opt._rounds.gossip, "timeout", None)
     folder_root = Path(root).resolve()
+    flushed = writers.flush(folder_root)  # this process's save in flight, finished first
+    failure = None if flushed is None else str(flushed)
     choice: tuple[str, dict[str, Any]] | None = None
-    failure = None
-    if opt.rank == 0:
+    if opt.rank == 0 and failure is None:
         try:
             found = directory.latest(folder_root, step)
-            directory.clean(folder_root, keep=found[0] if found else None)
             choice = None if found is None else (str(found[0]), asdict(found[1]))
         except Exception as err:
-            failure = f"{type(err).__name__}: {err}"
+            failure = (
+                f"rank 0 could not look for checkpoints in {root}: {type(err).__name__}: {err}"
+            )
+    everyone = [(choice, failure)]
     if group is not None:
-        choice, failure = gather_objects((choice, failure), group)[0]
-    if failure is not None:
-        raise RuntimeError(f"rank 0 could not look for checkpoints in {root}: {failure}")
+        what = "decent_optim.checkpoint.load"
+        arrival = Arrival(what, group)
+        everyone = gather_objects((choice, failure), group, timeout, what, _WAIT_HINT, arrival)
+    failed = [f"rank {r}: {text}" for r, (_, text) in enumerate(everyone) if text is not None]
+    if failed:
+        raise RuntimeError(
+            f"decent_optim.checkpoint.load from {root} failed before loading anything ("
+            + "; ".join(failed)
+            + ")"
+        ) from flushed
+    choice = everyone[0][0]
+    if opt.rank == 0:  # every rank has finished its saves in flight: none is still writing
+        directory.clean(folder_root, keep=Path(choice[0]) if choice else None)
+    ownership.own(folder_root, opt, None)
     if choice is None:
         if step is not None:
             raise FileNotFoundError(f"no complete checkpoint of step {step} in {root}")
@@ -96,14 +129,52 @@ def load(
     account, own, loaded, source = Account(), None, None, None
     try:
         loaded, source = _read(folder, manifest, opt, rule)
+        ownership.check_layout(loaded.get("model"), model, f"the checkpoint in {folder}")
         model.load_state_dict(loaded["model"])
     except Exception as err:
         account.error, own = (type(err).__name__, str(err)), err
-    agree(account, group, device, "decent_optim.checkpoint.load", own=own)
+    agree(
+        account,
+        group,
+        device,
+        "decent_optim.checkpoint.load",
+        own=own,
+        timeout=timeout,
+        wait_hint=_WAIT_HINT,
+    )
     assert loaded is not None  # agree() raised otherwise
     state = loaded["optimizer"]
     opt.load_state_dict(state if source == "own" else resize.retarget(state))
     return Resumed(manifest.step, loaded["extra"], folder, manifest.world_size, source)
+
+
+def _opt_params(opt: Any) -> list[Any]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _reader(manifest: directory.Manifest, folder: Path) -> Any:
+    """:func:`resize.read`, raising an error that names the file, the step and what to load
+    instead when a file cannot be read (damaged after the manifest was written)."""
+
+    def read(path: Any) -> Any:
+        try:
+            return resize.read(path)
+        except Exception as err:
+            earlier = [s for s in directory.complete_steps(folder.parent) if s < manifest.step]
+            instead = (
+                f"load an earlier checkpoint: decent_optim.checkpoint.load(root, model, opt, "
+                f"step={earlier[0]}) (complete ones here: steps {earlier[:4]}, newest first)"
+                if earlier
+                else "there is no earlier complete checkpoint in that folder: restore the file "
+                "from a copy, or move the step folder away to start from scratch"
+            )
+            raise ValueError(
+                f"{path}, a file of the checkpoint of step {manifest.step}, cannot be read "
+                f"({type(err).__name__}: {err}): it was damaged (cut short or overwritten) "
+                f"after the checkpoint was committed. Nothing was loaded; {instead}"
+            ) from err
+
+    return read
 
 
 def _read(
@@ -116,6 +187,7 @@ def _read(
             f"{type(opt).__name__}: build the optimizer of the saved run"
         )
     paths = [folder / name for name in manifest.files]
+    read = _reader(manifest, folder)
 
     def check(old_rank: int, contents: Any) -> None:
         expected = {
@@ -136,7 +208,7 @@ def _read(
 
     same_world = manifest.world_size == opt.world_size
     if same_world and manifest.topology == topology_key(opt.topology):
-        contents = resize.read(paths[opt.rank])
+        contents = read(paths[opt.rank])
         check(opt.rank, contents)
         return contents, "own"
-    return resize.merged(paths, opt.rank, rule, check=check), rule
+    return resize.merged(paths, opt.rank, rule, check=check, load=read), rule

@@ -13,15 +13,23 @@ fails exits promptly).
 
 ``background=True``: the call copies the state to CPU memory (a snapshot: training goes on
 changing the parameters) and returns; a thread writes the copy and, on rank 0, commits. The
-next ``save`` (or :func:`wait`) first waits for the thread in flight and raises its error, if
-any, so at most one save per folder is in flight and nothing fails unseen. The thread is not a
-daemon: the interpreter finishes the write before it exits.
+next ``save``, :func:`wait` and ``load`` first wait for the thread in flight and raise its
+error, if any, so at most one save per folder is in flight and nothing fails unseen. The thread
+is not a daemon: the interpreter finishes the write before it exits, and reports on stderr what
+nobody waited for (:mod:`~decent_optim.checkpoint.writers`).
+
+Before anything is written, ``save`` refuses what would lose or mix checkpoints
+(:mod:`~decent_optim.checkpoint.refusals`, :mod:`~decent_optim.checkpoint.ownership`). A write
+that fails (a full disk) raises :class:`~decent_optim.checkpoint.directory.WriteError` naming the
+file and the step; the step folder never gets a manifest, so the previous checkpoints stay the
+newest complete ones, and what is left of it is removed.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -30,42 +38,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from decent_optim.checkpoint import directory
+from decent_optim.checkpoint import directory, ownership, refusals, resize, writers
+from decent_optim.checkpoint.writers import wait
 from decent_optim.optim.startup import topology_key
 from decent_optim.wrappers import unwrap
 
 __all__ = ["save", "wait"]
-
-#: per root folder, the background save in flight
-_WRITERS: dict[Path, _Writer] = {}
-
-
-class _Writer(threading.Thread):
-    def __init__(self, job: Any) -> None:
-        super().__init__(name="decent_optim checkpoint writer")
-        self._job = job
-        self.error: BaseException | None = None
-        self.result: Path | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self._job()
-        except BaseException as err:  # handed to the training thread by wait()
-            self.error = err
-
-
-def wait(root: str | os.PathLike[str]) -> Path | None:
-    """Wait for the background save into ``root`` still in flight; re-raise its error.
-
-    Returns the step folder it wrote, or None when nothing was in flight.
-    """
-    writer = _WRITERS.pop(Path(root).resolve(), None)
-    if writer is None:
-        return None
-    writer.join()
-    if writer.error is not None:
-        raise RuntimeError(f"the background checkpoint save into {root} failed") from writer.error
-    return writer.result
 
 
 def _snapshot(value: Any) -> Any:
@@ -77,6 +55,10 @@ def _snapshot(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_snapshot(v) for v in value)
     return value
+
+
+def _params(model: torch.nn.Module, opt: Any) -> list[Any]:
+    return [*model.parameters(), *(p for g in opt.param_groups for p in g["params"])]
 
 
 def save(
@@ -98,29 +80,40 @@ def save(
     world of one without ``background``).
 
     Args:
-        root: the checkpoint folder, the same for every rank (a shared filesystem across nodes).
-        model: the module whose parameters ``optimizer`` trains.
+        root: the checkpoint folder, the same for every rank (a shared filesystem across nodes),
+            of this model and optimizer only (another model's save into it is refused).
+        model: the module whose parameters ``optimizer`` trains (not sharded: see
+            docs/large_models for sharded models).
         optimizer: a decent_optim optimizer, or a framework's wrapper around one.
         step: the training step, which names the folder and is returned by ``load``.
         extra: anything else of this rank to restore (scheduler, data position, RNG states):
-            tensors, numbers, strings, lists and dicts.
+            what ``torch.load(weights_only=True)`` reads back -- tensors, numbers, strings,
+            lists, tuples and dicts, no numpy values (checked here, by a round trip in memory).
         background: snapshot to CPU memory and write in a thread (module docstring).
-        keep_last: rank 0 removes older complete checkpoints beyond this many (None: keep all).
+        keep_last: rank 0 removes older complete checkpoints beyond this many, a whole number
+            >= 1 (None: keep all).
         run: a name of the run, checked at load (default: torchrun's ``TORCHELASTIC_RUN_ID``).
         timeout: seconds rank 0 waits for the other ranks' files before giving up the commit
             (in a thread when there are other ranks: :func:`wait` waits for it).
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a whole number >= 0, got {step!r}")
+    refusals.check_step(step)
+    refusals.check_keep_last(keep_last)
     opt = unwrap(optimizer)
-    rank, world_size = opt.rank, opt.world_size
+    refusals.refuse_sharded("save", _params(model, opt))
+    refusals.check_extra(extra)
     folder_root = Path(root).resolve()
+    ownership.refuse_other_owner(folder_root, opt)
     wait(folder_root)  # one save in flight per folder; raises the previous one's error
+    rank, world_size = opt.rank, opt.world_size
+    folder = directory.step_folder(folder_root, step)
+    mine = folder / directory.rank_file(rank, world_size)
+    ownership.refuse_other_file(mine, model, opt, resize.read)
+    ownership.own(folder_root, opt, step)
     run = os.environ.get("TORCHELASTIC_RUN_ID", "") if run is None else run
     header = {"step": step, "world_size": world_size, "rank": rank, "run": run}
     header["optimizer_class"] = type(opt).__name__
     payload: dict[str, Any] | None = {
-        "decent_optim_checkpoint": header,
+        directory.HEADER: header,
         "model": model.state_dict(),
         "optimizer": opt.state_dict(),
         "extra": extra,
@@ -139,18 +132,20 @@ def save(
         payload = _snapshot(payload)
     else:  # this rank's file now; rank 0's commit may still have to wait for the others
         _write(folder_root, manifest, rank, payload, keep_last, timeout, commit=False)
-        if rank != 0 or world_size == 1:
-            if rank == 0:
-                return _write(folder_root, manifest, rank, None, keep_last, timeout)
-            return directory.step_folder(folder_root, step)
+        if world_size == 1:
+            return _write(folder_root, manifest, rank, None, keep_last, timeout)
+        if rank != 0:
+            writers.saved_into(folder_root, folder, commits=False)
+            return folder
         payload = None
+    writers.saved_into(folder_root, folder, commits=rank == 0)
     job = functools.partial(_write, folder_root, manifest, rank, payload, keep_last, timeout)
-    writer = _WRITERS[folder_root] = _Writer(job)
-    writer.start()
-    return directory.step_folder(folder_root, step)
+    writers.start(folder_root, job)
+    return folder
 
 
-#: seconds rank 0's commit still waits for the other ranks' files once the main thread ended
+#: seconds rank 0's commit still waits for the other ranks' files once the main thread ended,
+#: and the other ranks' exit check for its manifest (:func:`.writers.report_at_exit`)
 EXIT_GRACE_S = 30.0
 
 
@@ -160,6 +155,24 @@ def _main_thread_gone(since: list[float]) -> bool:
         return False
     since.append(time.monotonic())
     return time.monotonic() - since[0] > EXIT_GRACE_S
+
+
+def _not_saved(root: Path, folder: Path, err: OSError) -> directory.WriteError:
+    """The error of a failed write of step ``folder``: what failed, what is intact, what to do."""
+    kept = [s for s in directory.complete_steps(root) if directory.step_folder(root, s) != folder]
+    intact = (
+        f"the complete checkpoints before it are intact (steps {kept[:4]}, newest first)"
+        if kept
+        else f"there is no other complete checkpoint in {root}"
+    )
+    failure = directory.WriteError(
+        f"decent_optim.checkpoint.save: the checkpoint in {folder} was not saved: {err}. That "
+        "folder has no manifest, so it is never loaded (what is left of it is removed here or "
+        f"by the next load()); {intact}. Free disk space or keep fewer checkpoints "
+        "(keep_last=), then save again"
+    )
+    failure.errno = err.errno
+    return failure
 
 
 def _write(
@@ -175,15 +188,34 @@ def _write(
     """Write this rank's file (``payload`` None: written already); on rank 0 with ``commit``,
     wait for the others' and commit the manifest."""
     folder = directory.step_folder(root, manifest.step)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise directory.WriteError(
+            f"decent_optim.checkpoint.save: could not create the step folder {folder} "
+            f"({type(err).__name__}: {err}); the checkpoint folder must be a folder every rank "
+            "can write to. Nothing was written"
+        ) from err
     if payload is not None:
-        directory.save_file(folder / manifest.files[rank], payload)
+        try:
+            directory.save_file(folder / manifest.files[rank], payload)
+        except directory.WriteError as err:
+            try:
+                folder.rmdir()  # only if empty: the other ranks' files are theirs to remove
+            except OSError:
+                pass
+            raise _not_saved(root, folder, err) from err
     if rank == 0 and commit:
         gone: list[float] = []
         manifest.sizes = directory.wait_for_files(
             folder, manifest.files, timeout, give_up=lambda: _main_thread_gone(gone)
         )
-        directory.commit_manifest(folder, manifest)
+        try:
+            directory.commit_manifest(folder, manifest)
+        except directory.WriteError as err:
+            if not (folder / directory.MANIFEST).exists():  # every file is in: none is written
+                shutil.rmtree(folder, ignore_errors=True)
+            raise _not_saved(root, folder, err) from err
         if keep_last is not None:
             directory.prune(root, keep_last)
     return folder

@@ -30,10 +30,12 @@ Module map: :mod:`~decent_optim.gossip.handle` (a round in flight, timeouts),
 :mod:`~decent_optim.gossip.gossiper` (the choice per round), :mod:`~decent_optim.gossip.collectives`
 (start-up collectives and measurements), :mod:`~decent_optim.gossip.averager` (a torch
 ``ModelAverager`` that gossips, for ``PostLocalSGDOptimizer``),
+:mod:`~decent_optim.gossip.arrival` (which ranks never reached a collective),
 :mod:`~decent_optim.gossip.dcp_guard` (refuses a ``torch.distributed.checkpoint`` save that
 spans several replicas of a sharded model).
 """
 
+from decent_optim.gossip.arrival import Arrival
 from decent_optim.gossip.averager import GossipAverager
 from decent_optim.gossip.collectives import (
     broadcast_,
@@ -50,6 +52,7 @@ from decent_optim.gossip.handle import GossipError, GossipHandle, PendingMix
 
 __all__ = [
     "TRANSPORTS",
+    "Arrival",
     "GossipAverager",
     "GossipError",
     "GossipHandle",

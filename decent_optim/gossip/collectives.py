@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from decent_optim.gossip.arrival import Arrival
 from decent_optim.gossip.handle import GossipHandle
 
 __all__ = [
@@ -52,9 +54,11 @@ def wait_bounded(
     timeout: datetime.timedelta | None,
     what: str,
     hint: str | None = None,
+    arrival: Arrival | None = None,
 ) -> None:
     """Wait for ``works`` (collectives on ``group``) at most ``timeout``; a timeout or transport
-    error raises :class:`~decent_optim.gossip.GossipError` naming ``what`` and the group's ranks."""
+    error raises :class:`~decent_optim.gossip.GossipError` naming ``what`` and the group's ranks
+    (with ``arrival``, made before ``works`` were launched: the ranks that never reached it)."""
     rank = dist.get_rank(group)
     others = [r for r in range(dist.get_world_size(group)) if r != rank]
     GossipHandle(
@@ -65,6 +69,7 @@ def wait_bounded(
         what=what,
         group_peers=others,
         hint=hint,
+        late=None if arrival is None else arrival.missing,
     ).wait()
 
 
@@ -137,21 +142,41 @@ def gather_ints(
     device: torch.device,
     timeout: datetime.timedelta | None = None,
     what: str = "a start-up check",
+    hint: str | None = STARTUP_HINT,
+    arrival: Arrival | None = None,
 ) -> list[list[int]]:
     """Every rank's ``values`` (as many on every rank), by group rank: one all-gather, waited
     for at most ``timeout`` (:func:`wait_bounded`; ``what`` names it in the error)."""
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(everyone, mine, group=group, async_op=True)
-    wait_bounded([work], group, timeout, what, STARTUP_HINT)
+    wait_bounded([work], group, timeout, what, hint, arrival)
     return [[int(v) for v in t.tolist()] for t in everyone]
 
 
-def gather_objects(obj: Any, group: Any) -> list[Any]:
-    """Every rank's picklable ``obj``, by group rank (for messages: slower than gather_ints)."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, obj, group=group)
-    return everyone
+def gather_objects(
+    obj: Any,
+    group: Any,
+    timeout: datetime.timedelta | None = None,
+    what: str = "an exchange of messages",
+    hint: str | None = None,
+    arrival: Arrival | None = None,
+) -> list[Any]:
+    """Every rank's picklable ``obj``, by group rank (for messages: slower than gather_ints).
+
+    Two all-gathers, of the pickled sizes and of the padded bytes, each waited for at most
+    ``timeout`` (torch's ``all_gather_object`` cannot be bounded); the rest as :func:`gather_ints`.
+    """
+    device = comm_device(group)
+    data = pickle.dumps(obj)
+    sizes = gather_ints([len(data)], group, device, timeout, what, hint, arrival)
+    longest = max(row[0] for row in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = [torch.empty_like(mine) for _ in sizes]
+    work = dist.all_gather(everyone, mine, group=group, async_op=True)
+    wait_bounded([work], group, timeout, what, hint)
+    return [pickle.loads(bytes(t[: row[0]].tolist())) for t, row in zip(everyone, sizes)]
 
 
 #: a process group of the whole world per optimizer slot >= 1 (see :func:`channel`)

@@ -76,6 +76,7 @@ class GossipHandle:
         what: str | None = None,
         group_peers: Sequence[int] = (),
         hint: str | None = None,
+        late: Callable[[], list[int]] | None = None,
     ) -> None:
         self._works = works  # (work, peer it talks to, or None for a group collective)
         self._finish = finish
@@ -83,10 +84,10 @@ class GossipHandle:
         self._on_close = on_close  # run once the received values are consumed or dropped
         self.round, self.rank, self.timeout = round, rank, timeout
         # for collectives outside the rounds (start-up, checks, averages): what the wait is for,
-        # the other ranks of the group (a group collective cannot tell which one is missing),
-        # and what usually causes a failure there
+        # the other ranks of the group (a group collective cannot tell which one is missing,
+        # ``late`` can: see gossip.arrival), and what usually causes a failure there
         self.what = what if what is not None else f"gossip round {round}"
-        self._group_peers, self._hint = list(group_peers), hint
+        self._group_peers, self._hint, self._late = list(group_peers), hint, late
 
     @property
     def is_noop(self) -> bool:
@@ -114,6 +115,7 @@ class GossipHandle:
 
     def _explain(self, waiting: list[int], deadline: float | None, err: Exception) -> str:
         """What a failed wait knows, and what usually causes it (a rank busy alone included)."""
+        late = self._late() if self._late is not None else []
         if waiting:
             who = f"peer(s) {waiting}"
         elif self._group_peers:
@@ -121,7 +123,9 @@ class GossipHandle:
         else:
             who = "its gossip group"
         limit = "" if self.timeout is None else f" (timeout {self.timeout.total_seconds():g} s)"
-        if deadline is not None and time.monotonic() >= deadline:
+        if late:  # the others arrived: the late ones are the ones to look at
+            what = f"rank(s) {late} of its group never reached it{limit}; the others did"
+        elif deadline is not None and time.monotonic() >= deadline:
             what = f"{who} did not take part in it within the timeout{limit}"
         else:
             what = f"waiting on {who} failed{limit}"

@@ -168,6 +168,7 @@ def agree(
     own: BaseException | None = None,
     extra: Sequence[int] = (),
     timeout: datetime.timedelta | None = None,
+    wait_hint: str | None = None,
     **explain_kw: Any,
 ) -> list[list[int]]:
     """Compare ``account`` across the ranks of ``group``; raise the same error on every rank.
@@ -175,17 +176,19 @@ def agree(
     One all-gather of the digest (plus ``extra`` integers, returned by rank for the caller); a
     second, of the accounts, only when the digests differ. ``group`` None is a world of one.
     ``own`` is this rank's exception behind ``account.error``; ``explain_kw`` go to
-    :func:`explain`. The all-gather waits at most ``timeout`` (a ``GossipError`` naming ``what``).
+    :func:`explain`. The all-gather waits at most ``timeout`` (a ``GossipError`` naming ``what``,
+    with ``wait_hint`` in place of the start-up one when given).
     """
     mine = digest(account) + list(extra)
     if group is None:
         rows = [mine]
     else:
-        rows = gather_ints(mine, group, device, timeout, what)  # type: ignore[arg-type]
+        hint = {} if wait_hint is None else {"hint": wait_hint}
+        rows = gather_ints(mine, group, device, timeout, what, **hint)  # type: ignore[arg-type]
     if all(row[:DIGEST_SIZE] == rows[0][:DIGEST_SIZE] for row in rows):
         if own is not None:  # every rank failed alike
             raise own
         return rows
-    accounts = gather_objects(account, group)
+    accounts = gather_objects(account, group, timeout, what, wait_hint)
     raise_if_failed(explain(accounts, what, **explain_kw), own, accounts)
     return rows  # not reached: differing digests come from differing accounts

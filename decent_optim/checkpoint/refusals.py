@@ -1,0 +1,152 @@
+"""What ``save`` and ``load`` refuse before they write, delete or exchange anything.
+
+Each check raises on the rank that calls it with the cause and the fix; every rank runs the
+same checks on arguments of the same kind, so a refusal comes from every rank at once, before
+any rank waits for another.
+
+* ``keep_last``: None or a whole number >= 1 (0 would prune the checkpoint just written).
+* Sharded parameters (DTensors, e.g. FSDP2's ``fully_shard``): this package's checkpoints hold a
+  whole copy of the model per gossip rank, and a rank of a sharded replica holds a shard; such
+  models are saved per replica with ``torch.distributed.checkpoint`` (docs: large_models).
+* ``extra``: it must load back under the rules ``load`` reads with (``torch.load`` with
+  ``weights_only=True``), checked by that very round trip in memory at save time (with its
+  plain tensors emptied: the types matter, not the data) -- a value it refuses would make every
+  checkpoint of the run unloadable, found out only at the resume.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from decent_optim import sharded
+
+__all__ = ["check_extra", "check_keep_last", "check_step", "refuse_sharded"]
+
+
+def check_keep_last(keep_last: object) -> None:
+    """``keep_last`` is None or a whole number >= 1."""
+    if keep_last is None:
+        return
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int):
+        raise TypeError(
+            f"keep_last must be None (keep every checkpoint) or a whole number >= 1, got "
+            f"{keep_last!r} of type {type(keep_last).__name__}; nothing was written or removed"
+        )
+    if keep_last < 1:
+        raise ValueError(
+            f"keep_last={keep_last} would remove every checkpoint, the one being saved "
+            "included: pass a whole number >= 1 (the newest checkpoints kept), or None to keep "
+            "them all; nothing was written or removed"
+        )
+
+
+def check_step(step: object, name: str = "step") -> None:
+    """``step`` is a whole number >= 0."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{name} must be a whole number >= 0, got {step!r}")
+
+
+#: the supported route for sharded models, for the refusal's message
+DCP_ROUTE = (
+    "Save each replica with torch.distributed.checkpoint over the ranks of its shards: "
+    "model_sd, optim_sd = get_state_dict(model, opt); "
+    'dcp.save({"model": model_sd, "optim": optim_sd}, '
+    "checkpoint_id=f\"ckpt/replica{mesh['replicate'].get_local_rank()}\", "
+    'process_group=mesh["shard"].get_group()), and resume with dcp.load(...) on the same '
+    'state, then set_state_dict(model, opt, ...) (docs: large_models, "Checkpoints"); with '
+    "Lightning, decent_optim.integrations.lightning.DecentralizedModelParallelStrategy does it"
+)
+
+
+def refuse_sharded(call: str, tensors: Iterable[Any]) -> None:
+    """Raise when any of ``tensors`` (the model's and the optimizer's parameters) is sharded."""
+    found = next((t for t in tensors if sharded.is_sharded(t)), None)
+    if found is None:
+        return
+    raise TypeError(
+        f"decent_optim.checkpoint.{call} does not support sharded parameters (a DTensor of "
+        f"shape {tuple(found.shape)}, e.g. from FSDP2's fully_shard): its checkpoints hold a "
+        "whole copy of the model per gossip rank, but each rank of a sharded replica holds "
+        f"only a shard. Nothing was {'written' if call == 'save' else 'read or changed'}. "
+        + DCP_ROUTE
+    )
+
+
+def _skeleton(value: Any) -> Any:
+    """``value`` with every plain dense tensor in its dicts, lists and tuples made empty: the
+    unpickler sees the same types, and the round trip costs no copy of the data."""
+    if type(value) is torch.Tensor and value.layout == torch.strided and not value.is_quantized:
+        return torch.empty(0, dtype=value.dtype)
+    if type(value) is dict:
+        return {k: _skeleton(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_skeleton(v) for v in value)
+    return value  # anything else as it is (a subclass must round-trip as itself)
+
+
+def _loads_back(value: Any) -> bool:
+    """Whether ``value`` survives ``torch.save`` and ``torch.load(weights_only=True)``."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(_skeleton(value), buffer)
+        buffer.seek(0)
+        torch.load(buffer, map_location="cpu", weights_only=True)
+    except Exception:
+        return False
+    return True
+
+
+def _parts(value: Any) -> list[tuple[str, Any]]:
+    """``(where, part)`` of a container's keys and items; empty for anything else."""
+    if isinstance(value, dict):
+        keys = [(f" (the key {k!r})", k) for k in value]
+        return keys + [(f"[{k!r}]", v) for k, v in value.items()]
+    if isinstance(value, (list, tuple)):
+        return [(f"[{k}]", v) for k, v in enumerate(value)]
+    if isinstance(value, (set, frozenset)):
+        return [(f" (an element {v!r})", v) for v in value]
+    return []
+
+
+def _refused(value: Any, where: str) -> tuple[str, Any]:
+    """The innermost part of ``value`` (refused as a whole) that is refused."""
+    for step, part in _parts(value):
+        if not _loads_back(part):
+            return _refused(part, where + step)
+    return where, value  # its parts load back: its own type is refused
+
+
+def _fix(refused: Any) -> str:
+    kind = type(refused)
+    if kind.__module__.split(".")[0] == "numpy":
+        return (
+            "Store numpy values as plain Python or torch values: array.tolist() or "
+            "torch.from_numpy(array), int(x) / float(x) for numpy scalars; numpy's random state "
+            "as s = np.random.get_state(); (s[0], s[1].tolist(), *s[2:]), which "
+            "np.random.set_state accepts back as it is (a Generator's rng.bit_generator.state "
+            "is plain already)"
+        )
+    return (
+        "Store it as tensors, numbers, strings, lists, tuples and dicts (e.g. the object's "
+        "state_dict() or a dict of its fields), or register its class with "
+        "torch.serialization.add_safe_globals([...]) in the process that saves and in the one "
+        "that loads"
+    )
+
+
+def check_extra(extra: Any) -> None:
+    """Raise when ``extra`` would not load back (module docstring), naming where and what."""
+    if extra is None or _loads_back(extra):
+        return
+    where, refused = _refused(extra, "extra")
+    kind = type(refused)
+    raise TypeError(
+        f"decent_optim.checkpoint.save(extra=...) would write a checkpoint that load() "
+        f"refuses: {where} is a {kind.__module__}.{kind.__qualname__}, which torch.load("
+        "weights_only=True) (what load reads with) does not accept, so every checkpoint of "
+        f"the run would be unloadable. {_fix(refused)}. Nothing was written"
+    )
