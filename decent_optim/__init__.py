@@ -6,6 +6,7 @@ per step, while the next forward and backward run.
 """
 
 from decent_optim import checkpoint, topologies
+from decent_optim.gossip.elastic import check_restarted_worker
 from decent_optim.optim.accum_adam import AccumAdam, AccumAdamW
 from decent_optim.optim.dadam import DecentralizedAdam, DecentralizedAdamW
 from decent_optim.optim.dsgd import DSGD
@@ -15,6 +16,11 @@ from decent_optim.topologies import Topology
 from decent_optim.wrappers import unwrap
 
 __version__ = "0.1.0"
+
+# a worker that torchrun restarted with a shared rendezvous store fails or hangs in
+# init_process_group, before it could build an optimizer and be told why: tell it now
+# (decent_optim.gossip.elastic)
+check_restarted_worker()
 
 __all__ = [
     "DSGD",

@@ -18,9 +18,13 @@ worker dies, its neighbours raise ``GossipError``; an elastic torchrun restarts 
 whatever nodes are left (or came back), and they continue from the newest complete checkpoint at
 the new world size::
 
-    torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
-        --rdzv-endpoint HOST:29400 --rdzv-id charlm examples/train_charlm.py \
-        --checkpoint-dir /shared/ckpt --save-every 20 --metrics /shared/metrics.jsonl
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 \
+        --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id charlm \
+        examples/train_charlm.py --checkpoint-dir /shared/ckpt --save-every 20 \
+        --metrics /shared/metrics.jsonl
+
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: a rendezvous store per restart; with torch's shared
+one a restart fails or hangs, and the optimizer refuses to start. See docs/surviving_failures.)
 """
 
 import argparse

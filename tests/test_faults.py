@@ -5,7 +5,9 @@ Before these fixes: the check for gradients averaged before ``step()`` waited wi
 (the process group's 30 s here) and ended in a raw gloo error; a dead peer's "Connection reset by
 peer" or "closed" escaped raw; after a ``GossipError`` the next ``step()`` raised a raw gloo
 error; and a rank passing ``process_group=None`` while the others passed a sub-group waited for
-the process-group timeout, then failed with a raw gloo error.
+the process-group timeout, then failed with a raw gloo error. And the survivor of a killed peer
+said ``waiting on peer(s) [1] failed (timeout 10 s)`` a fraction of a second after the kill,
+blaming a timeout that never happened (issue 33, item 8).
 """
 
 from __future__ import annotations
@@ -123,3 +125,70 @@ def test_process_group_none_on_one_rank_fails_clearly_within_the_timeout():
         assert kind == "GossipError", message
         assert "building DSGD" in message and "the same process_group=" in message, message
         assert seconds < 15, seconds
+
+
+def _peer_killed(rank, world_size):
+    import os
+
+    x = torch.nn.Parameter(torch.zeros(10))
+    opt = dopt.DSGD([x], lr=0.1, timeout=10.0)
+    for step in range(4):
+        if rank == 1 and step == 2:
+            time.sleep(0.5)  # rank 0 is waiting on this round by now
+            os._exit(1)  # the fault: the process is gone, the kernel closes its sockets
+        x.grad = torch.full((10,), float(rank + 1))
+        start = time.monotonic()
+        try:
+            opt.step()
+        except dopt.gossip.GossipError as err:
+            # the harness reports a dead rank's neighbours as failures: carry what the test
+            # checks in this error's message
+            raise RuntimeError(repr((str(err), time.monotonic() - start))) from None
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_killed_peer_is_reported_as_gone_not_as_a_timeout():
+    import ast
+
+    from _harness import WorldError
+
+    with pytest.raises(WorldError) as info:
+        run_world_fresh(_peer_killed, 2, timeout=120)
+    assert 1 in info.value.failures and "died" in info.value.failures[1], info.value
+    assert 0 in info.value.failures, f"the survivor did not fail within seconds: {info.value}"
+    last = info.value.failures[0].strip().splitlines()[-1]
+    message, seconds = ast.literal_eval(last.removeprefix("RuntimeError: "))
+    assert message.startswith("[rank 0] gossip round "), message
+    assert "the connection to peer(s) [1] closed after" in message, message
+    assert "process is gone (it crashed, was killed, or exited)" in message, message
+    assert "timeout" not in message.split(". Cause:")[0], message  # no timeout happened
+    assert seconds < 5, seconds
+
+
+def _peer_stalled(rank, world_size):
+    x = torch.nn.Parameter(torch.zeros(10))
+    opt = dopt.DSGD([x], lr=0.1, timeout=TIMEOUT)
+    for step in range(4):
+        if rank == 1 and step == 2:
+            time.sleep(TIMEOUT + 2)  # alive, connections open, but it sends nothing
+            return "stalled"
+        x.grad = torch.full((10,), float(rank + 1))
+        start = time.monotonic()
+        try:
+            opt.step()
+        except dopt.gossip.GossipError as err:
+            return str(err), time.monotonic() - start
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_stalled_peer_is_reported_as_a_timeout_with_the_time_waited():
+    (message, seconds), stalled = run_world_fresh(_peer_stalled, 2, timeout=120)
+    assert stalled == "stalled"
+    assert message.startswith("[rank 0] gossip round "), message
+    assert "peer(s) [1] did not take part in it within the timeout (timeout 2 s); waited 2." in (
+        message
+    ), message
+    assert "connection" not in message.split(". Cause:")[0], message
+    assert TIMEOUT <= seconds < TIMEOUT + 5, seconds

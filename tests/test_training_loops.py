@@ -526,9 +526,12 @@ def test_silent_peer_raises_within_the_timeout_naming_round_and_peer():
     assert failed, got
     for r, msg in failed.items():
         assert msg.startswith(f"[rank {r}] gossip round "), msg
-        assert "peer(s) [" in msg and "timeout 3 s" in msg, msg
+        # a neighbour of rank 2 times out; a rank further away may instead see that neighbour
+        # drop its connections after its own error
+        assert "peer(s) [" in msg, msg
+        assert "timeout 3 s" in msg or "closed after" in msg, msg
         assert got[r][1] < 45, got
-    assert any("peer(s) [2]" in msg for msg in failed.values()), failed
+    assert any("peer(s) [2]" in msg and "timeout 3 s" in msg for msg in failed.values()), failed
 
 
 # -- torch.compile ---------------------------------------------------------------------------------

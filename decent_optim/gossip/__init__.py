@@ -32,7 +32,8 @@ Module map: :mod:`~decent_optim.gossip.handle` (a round in flight, timeouts),
 ``ModelAverager`` that gossips, for ``PostLocalSGDOptimizer``),
 :mod:`~decent_optim.gossip.arrival` (which ranks never reached a collective),
 :mod:`~decent_optim.gossip.dcp_guard` (refuses a ``torch.distributed.checkpoint`` save that
-spans several replicas of a sharded model).
+spans several replicas of a sharded model), :mod:`~decent_optim.gossip.elastic` (refuses a
+torchrun set-up whose restarts would hang).
 """
 
 from decent_optim.gossip.arrival import Arrival
@@ -47,6 +48,7 @@ from decent_optim.gossip.collectives import (
     group_ranks,
     resolve_group,
 )
+from decent_optim.gossip.elastic import check_restarts
 from decent_optim.gossip.gossiper import TRANSPORTS, Gossiper, LocalGossiper
 from decent_optim.gossip.handle import GossipError, GossipHandle, PendingMix
 
@@ -62,6 +64,7 @@ __all__ = [
     "broadcast_",
     "channel",
     "check_devices",
+    "check_restarts",
     "comm_device",
     "gather_ints",
     "group_ranks",

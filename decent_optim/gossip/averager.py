@@ -27,6 +27,7 @@ from torch.distributed.algorithms.model_averaging.utils import get_params_to_ave
 from decent_optim import topologies
 from decent_optim._validation import check_timeout, resolve_local_world_size
 from decent_optim.gossip.collectives import resolve_group
+from decent_optim.gossip.elastic import check_restarts
 from decent_optim.gossip.gossiper import Gossiper
 from decent_optim.topologies import Topology
 
@@ -69,6 +70,7 @@ class GossipAverager(ModelAverager):
             raise RuntimeError(
                 "GossipAverager needs torch.distributed: call dist.init_process_group(...) first"
             )
+        check_restarts()  # torchrun's restarts of this job would hang
         super().__init__(group)
         self.period, self.warmup_steps = period, warmup_steps
         topo = topologies.get(topology, world_size, resolve_local_world_size(local_world_size))

@@ -2,7 +2,8 @@
 
 A collective: every rank builds its optimizer at the same point of the program. In order:
 
-1. find the process group and its size, and build the topology for it;
+1. find the process group and its size, and build the topology for it; refuse a torchrun
+   set-up whose restarts would fail (:mod:`decent_optim.gossip.elastic`);
 2. check that no two parameters share memory, and that the ranks agree
    (:func:`~decent_optim.optim.agreement.agree`: one all-gather of a fixed-size digest) on
    everything they must share -- the optimizer class and number (its place in the order this
@@ -49,6 +50,7 @@ from decent_optim.gossip import (
     broadcast_,
     channel,
     check_devices,
+    check_restarts,
     comm_device,
     group_ranks,
     resolve_group,
@@ -185,6 +187,7 @@ def connect(
             check_flattenable(p)
         if group is not None:
             check_devices(group, every)
+            check_restarts()  # torchrun's restarts would fail or hang: say so now, on every rank
         ranks, me = group_ranks(group) if group is not None else (None, 0)
         sharded.check_params(every, ranks, me)
         if local_world_size is None and ranks and any(map(sharded.is_sharded, every)):
