@@ -199,9 +199,9 @@ _ENDS_WITHOUT_WAITING = textwrap.dedent(
     import torch.distributed as dist
     import decent_optim as dopt
     from decent_optim import checkpoint
-    from decent_optim.checkpoint import saving
+    from decent_optim.checkpoint import writers
 
-    saving.EXIT_GRACE_S = 2.0  # how long the exit waits for rank 0's manifest (30 s by default)
+    writers.EXIT_GRACE_S = 2.0  # how long the exit waits for rank 0's manifest (30 s by default)
     base, rank = sys.argv[1], int(sys.argv[2])
     dist.init_process_group(
         "gloo", init_method=f"file://{base}/rendezvous", rank=rank, world_size=2,

@@ -144,17 +144,12 @@ def save(
     return folder
 
 
-#: seconds rank 0's commit still waits for the other ranks' files once the main thread ended,
-#: and the other ranks' exit check for its manifest (:func:`.writers.report_at_exit`)
-EXIT_GRACE_S = 30.0
-
-
 def _main_thread_gone(since: list[float]) -> bool:
-    """True once the main thread has been finished for :data:`EXIT_GRACE_S` seconds."""
+    """True once the main thread has been finished for :data:`.writers.EXIT_GRACE_S` seconds."""
     if threading.main_thread().is_alive():
         return False
     since.append(time.monotonic())
-    return time.monotonic() - since[0] > EXIT_GRACE_S
+    return time.monotonic() - since[0] > writers.EXIT_GRACE_S
 
 
 def _not_saved(root: Path, folder: Path, err: OSError) -> directory.WriteError:

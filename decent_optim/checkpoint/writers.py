@@ -8,7 +8,7 @@ folder a save of this process is still writing (:func:`flush`).
 A process that ends without any of them -- its script never called ``wait()`` -- is still told,
 on stderr at exit (:func:`report_at_exit`): the interpreter first finishes the writers (they are
 not daemons), then this hook names every save that failed, and every step folder this process
-wrote into that is still not a checkpoint (no manifest) after ``saving.EXIT_GRACE_S`` seconds
+wrote into that is still not a checkpoint (no manifest) after ``EXIT_GRACE_S`` seconds
 -- the sign of a rank that never saved that step (skipped when the script died of an exception,
 so that a failing rank exits at once). The exit status cannot be changed after the script has
 ended: call ``wait()`` at the end to get these as exceptions.
@@ -97,12 +97,15 @@ def _complete(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
 
 
+#: seconds rank 0's commit still waits for the other ranks' files once the main thread ended
+#: (``saving``), and the other ranks' exit check for its manifest (:func:`report_at_exit`)
+EXIT_GRACE_S = 30.0
+
+
 def report_at_exit(grace: float | None = None) -> list[str]:
     """Print (and return) what this process's saves left undone; see the module docstring."""
     if grace is None:
-        from decent_optim.checkpoint import saving  # (it imports this module)
-
-        grace = saving.EXIT_GRACE_S
+        grace = EXIT_GRACE_S
     lines = []
     for root, writer in list(_WRITERS.items()):
         writer.join()  # finished already at interpreter exit: writers are not daemons
