@@ -2,7 +2,9 @@
 
 Methods: ``none`` (the same model and loop with no communication at all: the compute floor under
 the same contention), ``ddp``, ``decent:<topology>`` and ``decent:<topology>+<compression>``
-(``DecentralizedAdamW``, optionally with ``compression="bf16"``/``"int8"``), ``decentdp:<topology>``.
+(``DecentralizedAdamW``, optionally with ``compression="bf16"``/``"int8"``; ``:H<h>`` adds
+``local_steps=h``), ``decentdp:<topology>``. Emulated uneven devices (``_devices.py``):
+``--device-ms``, ``--speeds``, ``--jitter-cv``, each step padded at its start.
 
 One node, 4 ranks (benchmark b), optionally with stragglers (d)::
 
@@ -44,6 +46,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _devices  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOPOLOGIES = ["ring", "one-peer-exp", "alternating-exp-ring", "complete"]
@@ -110,7 +115,10 @@ def worker(args) -> None:
     local_batch = args.global_batch // n
     method = args.method
     kind, _, spec = method.partition(":")
+    spec, _, period = spec.partition(":H")  # decent:<topology>[+<compression>][:H<h>]
     topo_name, _, compression = spec.partition("+")
+    local_steps = int(period) if period else 1
+    device = _devices.Device(args, rank, n)
 
     def batch(it: int):
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + it)
@@ -139,9 +147,19 @@ def worker(args) -> None:
     # 1. compute alone: forward + backward (+ the straggler sleep), then a fused AdamW step
     ref = torch.optim.AdamW(params, fused=True, **adamw)
     compute, update = [], []
+    if device.on:
+        x0, y0 = batch(0)
+
+        def one_step() -> None:
+            model.zero_grad()
+            F.cross_entropy(model(x0).flatten(0, 1), y0.flatten()).backward()
+
+        device.calibrate(one_step)
+        model.zero_grad()
     for it in range(args.warmup + args.compute_iters):
         x, y = batch(it)
         t0 = time.perf_counter()
+        device.pad(it)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         sleep()
@@ -218,7 +236,11 @@ def worker(args) -> None:
         import decent_optim as dopt
 
         opt = dopt.DecentralizedAdamW(
-            model.parameters(), topology=topo_name, compression=compression or None, **adamw
+            model.parameters(),
+            topology=topo_name,
+            compression=compression or None,
+            local_steps=local_steps,
+            **adamw,
         )
         net = model
 
@@ -248,10 +270,12 @@ def worker(args) -> None:
         raise SystemExit(f"unknown method {method!r}")
 
     for it in range(args.warmup):
+        device.pad(1000 + it)
         train_step(*batch(1000 + it))
     dist.barrier()
     t0 = time.perf_counter()
     for it in range(args.iters):
+        device.pad(2000 + it)  # before the step's communication (DDP's is inside backward)
         train_step(*batch(2000 + it))
         if rank == 0 and args.progress and (it + 1) % max(1, args.iters // 4) == 0:
             print(f"    {method}: {it + 1}/{args.iters}", flush=True)
@@ -394,6 +418,7 @@ def main() -> None:
         q.add_argument("--straggle-std-ms", type=float, default=0.0)
         q.add_argument("--ddp-overlap", type=float, default=1.0)
         q.add_argument("--progress", type=int, default=1)
+        _devices.add_arguments(q)
     args = p.parse_args()
     if args.worker:
         worker(args)

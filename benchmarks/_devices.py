@@ -1,0 +1,102 @@
+"""Emulated devices: each step of a rank takes a set device time, whatever the cores are doing.
+
+On a shared 2-core machine the ranks' real compute depends on how the cores are shared, so a
+benchmark of uneven hardware cannot come from real compute. Instead every step is padded by a
+sleep to an emulated device time, taken at the start of the step, before any communication
+(DDP's all-reduce runs inside backward, so a pad after it would hide the wait it causes):
+
+    device time of rank r's step s = device_ms / speed[r] * jitter(seed, r, s)
+
+``jitter`` is 1, or a log-normal factor of mean 1 and coefficient of variation ``jitter_cv``
+(the sigma of the paper's runtime model), drawn from a generator seeded by (seed, rank, step), so
+every method sees the same device times. The sleep is the device time less the rank's real
+compute of a step, measured once before training (``calibrate``); waits for other ranks stay
+inside the clock. ``device_ms=0`` turns it off (real compute only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device-ms",
+        type=float,
+        default=0.0,
+        help="emulated device time per step of a speed-1 rank (0: off)",
+    )
+    p.add_argument(
+        "--speeds",
+        default=None,
+        help="per-rank speed factors, comma-separated (1,1,1,0.5: rank 3 at half "
+        "speed); default all 1",
+    )
+    p.add_argument("--jitter-cv", type=float, default=0.0,
+                   help="coefficient of variation of each step's device time (log-normal)")  # fmt: skip
+
+
+def speeds_of(spec: str | None, world_size: int) -> list[float]:
+    if not spec:
+        return [1.0] * world_size
+    speeds = [float(s) for s in spec.split(",")]
+    if len(speeds) != world_size or not all(s > 0 for s in speeds):
+        raise SystemExit(f"--speeds needs {world_size} positive factors, got {spec!r}")
+    return speeds
+
+
+def describe(args) -> str:
+    """One line for a results table: what the emulated devices were."""
+    if not args.device_ms:
+        return "real compute (no emulated device time)"
+    text = f"emulated device time {args.device_ms:g} ms per step"
+    if args.speeds and any(float(s) != 1 for s in args.speeds.split(",")):
+        text += f", speeds {args.speeds}"
+    if args.jitter_cv:
+        text += f", jitter CV {args.jitter_cv:g}"
+    return text
+
+
+class Device:
+    """The emulated device of one rank: :meth:`pad` at the start of every step."""
+
+    def __init__(self, args, rank: int, world_size: int) -> None:
+        self.ms = args.device_ms / speeds_of(args.speeds, world_size)[rank]
+        self.cv, self.seed, self.rank = args.jitter_cv, args.seed, rank
+        self.compute_s = 0.0
+        sigma2 = math.log1p(self.cv**2)  # log-normal with mean 1 and this CV
+        self._sigma, self._mu = math.sqrt(sigma2), -sigma2 / 2
+
+    @property
+    def on(self) -> bool:
+        return self.ms > 0
+
+    def calibrate(self, one_step: Callable[[], None], repeats: int = 7) -> float:
+        """Median seconds of ``one_step`` (forward + backward, no communication)."""
+        if not self.on:
+            return 0.0
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            one_step()
+            times.append(time.perf_counter() - t0)
+        self.compute_s = statistics.median(times)
+        return self.compute_s
+
+    def step_s(self, step: int) -> float:
+        """The emulated device time of ``step``, in seconds."""
+        factor = 1.0
+        if self.cv:
+            rng = random.Random(self.seed * 1_000_003 + self.rank * 10_007 + step + 7)
+            factor = math.exp(rng.gauss(self._mu, self._sigma))
+        return self.ms * factor / 1e3
+
+    def pad(self, step: int) -> None:
+        """Sleep for this step's device time less the real compute that follows."""
+        if self.on:
+            time.sleep(max(0.0, self.step_s(step) - self.compute_s))
