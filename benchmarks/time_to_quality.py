@@ -11,16 +11,20 @@ parameters; AdamW betas (0.9, 0.95).
 DDP + AdamW trains ``--steps``; its final held-out loss is the target. Every other method trains
 until its consensus model (the mean of the workers' parameters) reaches the target, or
 ``--max-steps-factor`` x ``--steps`` steps, or ``--time-limit-factor`` x DDP's wall-clock.
-Evaluation every ``--eval-every`` steps; the clock stops for it (a barrier on both sides, so the
-training time is the slowest rank's) and evaluation time is excluded from every number.
+Evaluation every ``--eval-every`` steps; the clock stops for it (training time is counted to
+when the last rank arrives, and a barrier after it restarts the clock on every rank), and
+evaluation time is excluded from every number.
 
 Methods (``--methods``):
 
 * ``ddp``: DistributedDataParallel + torch.optim.AdamW, lr ``--lr``;
 * ``decentdp:<topology>``: Decent-DP 0.2.3 (``pip install decent-dp==0.2.3``), AdamW at
   ``--lr`` x ``--decent-lr-factor`` (skipped with a note if it does not import);
-* ``decent:<topology>[+<compression>][:H<h>][:outer]``: ``DecentralizedAdamW``, optionally
-  compressed, gossiping every ``h`` steps (``local_steps=h``), with ``outer="diloco"``; lr
+* ``decent:<topology>[+<compression>][:H<h>][:outer][:uneven]``: ``DecentralizedAdamW``,
+  optionally compressed, gossiping every ``h`` steps (``local_steps=h``), with
+  ``outer="diloco"``, or with ``uneven=True`` (each rank at its own pace: the loop ends on
+  ``opt.stopped`` after ``opt.stop_at(steps)``, the rate follows ``opt.progress`` and the
+  evaluations come every ``eval-every / h`` rounds, ``opt.round``, instead of at a step); lr
   ``--lr`` x ``--decent-lr-factor`` for every-step and plain local gossip, ``--lr`` with an
   outer step (as DiLoCo, whose inner optimizer keeps the baseline's rate);
 * ``diloco:H<h>``: DiLoCo with all-reduce (``benchmarks/_diloco.py``, also the convergence
@@ -29,6 +33,12 @@ Methods (``--methods``):
   and Nesterov momentum 0.9 on the averaged pseudo-gradient (Douillard et al. 2023);
   ``diloco:H<h>:avg``: plain averaging instead (outer lr 1, no momentum: local AdamW with an
   all-reduce average every ``h`` steps) at ``--lr`` x ``--decent-lr-factor``.
+
+Uneven or emulated hardware (``_devices.py``): ``--device-ms D`` pads every step, at its start
+and before any communication, to D ms of emulated device time; ``--speeds 1,1,1,0.5`` makes
+rank 3 take 2D; ``--jitter-cv 0.3`` draws each step's time from a log-normal of mean 1 and that
+coefficient of variation, the same draws for every method. So the ranks' speeds do not depend on
+how the machine's cores are shared, and every wait for another rank stays inside the clock.
 
 The script is a launcher (as ``train_iteration.py``): under ``emulate-cluster`` it runs one
 ``torchrun`` per method on each node; see ``time_to_quality.sh``. Results:
@@ -47,6 +57,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _devices  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +85,7 @@ def parse_method(method: str) -> dict:
         "H": 1,
         "outer": False,
         "avg": False,
+        "uneven": False,
     }
     parts = spec.split(":") if spec else []
     if kind in ("decent", "decentdp") and parts:
@@ -84,6 +98,8 @@ def parse_method(method: str) -> dict:
             out["outer"] = True
         elif p == "avg" and kind == "diloco":
             out["avg"] = True
+        elif p == "uneven" and kind == "decent":
+            out["uneven"] = True
         else:
             raise SystemExit(f"bad method {method!r}: unknown part {p!r}")
     if kind not in ("ddp", "decent", "decentdp", "diloco"):
@@ -148,6 +164,7 @@ def worker(args) -> None:
             compression=m["compression"],
             local_steps=m["H"],
             outer="diloco" if m["outer"] else None,
+            uneven=m["uneven"],
         )
     elif m["kind"] == "diloco":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -208,12 +225,29 @@ def worker(args) -> None:
         time_limit = (
             args.time_limit_factor * json.loads(Path(args.target_from).read_text())["train_s"]
         )
+    device = _devices.Device(args, rank, n)
+    if device.on:  # real compute of one step, on a copy (no communication, no state touched)
+        import copy
+
+        twin, (x0, y0) = copy.deepcopy(model), batch(0)
+
+        def one_step() -> None:
+            twin.zero_grad()
+            F.cross_entropy(twin(x0).flatten(0, 1), y0.flatten()).backward()
+
+        device.calibrate(one_step)
     rows, reached, train_s = [], None, 0.0
+    uneven = m["uneven"]  # the ranks step at their own pace: budget, schedule and evaluation
+    if uneven:  # follow the optimizer's DDP-equivalent progress and its rounds
+        opt.stop_at(max_steps)
+    eval_rounds, evaluated = max(1, args.eval_every // m["H"]), 0
     dist.barrier()
     resumed = time.perf_counter()
-    for step in range(max_steps):
-        factor = lr_factor(step)
+    step = 0
+    while not (opt.stopped if uneven else step >= max_steps):
+        factor = lr_factor(int(opt.progress) if uneven else step)
         x, y = batch(step)
+        device.pad(step)  # the emulated device's time, before any communication of the step
         if dl is not None:
             F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
         else:
@@ -223,11 +257,19 @@ def worker(args) -> None:
             F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()  # DiLoCo: the inner step, and the outer one at the end of a period
-        done = step + 1
-        if done % args.eval_every and done != max_steps:
-            continue
-        dist.barrier()  # the slowest rank's time; evaluation is not counted
-        train_s += time.perf_counter() - resumed
+        step += 1
+        if uneven:  # at a round every rank mixes as its own (opt.round), not at a step count
+            if opt.round == evaluated or (opt.round % eval_rounds and not opt.stopped):
+                continue
+            evaluated, done = opt.round, round(opt.progress)
+        else:
+            done = step
+            if done % args.eval_every and done != max_steps:
+                continue
+        # the wall-clock when the last rank got here; evaluation is not counted
+        elapsed = torch.tensor([time.perf_counter() - resumed], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        train_s += float(elapsed.item())
         loss = consensus_loss()
         rows.append({"step": done, "train_s": train_s, "val_loss": loss})
         if rank == 0:
@@ -251,6 +293,7 @@ def worker(args) -> None:
             "target": target,
             "time_to_target_s": reached,
             "peak_lr": peak,
+            "compute_ms": device.compute_s * 1e3,
             "curve": rows,
         }
         Path(args.part).write_text(json.dumps(out))
@@ -331,7 +374,8 @@ def write_results(args, nnodes: int, rows: list[dict], notes: list[str]) -> None
         f"`{args.tag}`: {nnodes} node(s) x {args.nproc} ranks, gloo, character GPT, global batch "
         f"{args.global_batch}, DDP schedule {args.steps} steps (warm-up {args.warmup}), eval every "
         f"{args.eval_every} steps (excluded), target = DDP's final held-out loss "
-        f"{ddp['final_loss']:.4f}; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
+        f"{ddp['final_loss']:.4f}; {_devices.describe(args)}; load average at the end "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
         "",
         "| method | time to target s | vs DDP | steps | ms / step | final loss | vs DDP loss |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -413,6 +457,7 @@ def main() -> None:
         q.add_argument("--time-limit-factor", type=float, default=3.0)
         q.add_argument("--seed", type=int, default=0)
         q.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+        _devices.add_arguments(q)
     args = p.parse_args()
     if args.plot:
         plot(args)

@@ -98,6 +98,15 @@ def parser() -> argparse.ArgumentParser:
         metavar="H",
         help="also predict gossip every H steps (local_steps=H) and DiLoCo's all-reduce every H",
     )
+    p.add_argument(
+        "--speeds",
+        nargs="+",
+        type=positive,
+        default=None,
+        metavar="S",
+        help="one speed factor per worker (1 1 1 0.5: the last at half speed): predict every "
+        "method on workers that uneven, and uneven=True with --local-steps",
+    )
     p.add_argument("--json", default=None, help="also write the measurements and predictions here")
     return p
 

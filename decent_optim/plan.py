@@ -20,6 +20,9 @@ With ``--local-steps 4 16`` it also predicts every topology gossiping every H st
 (``local_steps=H``: the round travels during H iterations) and DiLoCo's blocking all-reduce of
 the pseudo-gradients every H steps (:mod:`decent_optim.runtime.local_steps`), for each H. These
 predict time per iteration only: fewer rounds cost quality, which only training measures.
+With ``--speeds 1 1 1 0.5`` (a factor per worker) every method runs on workers of those speeds
+(:mod:`decent_optim.runtime.uneven`): the step-locked ones at the slowest's pace, and
+``uneven=True`` (rows ``... uneven``, with ``--local-steps``) at the mean speed.
 
 Rank 0 then prints the :mod:`decent_optim.runtime` predictions: time per iteration for
 All-Reduce and each topology and the speedup over All-Reduce. Your model's compute time can be
@@ -211,16 +214,22 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def predict(
-    measured: dict, overlap: float, local_steps: Sequence[int] = ()
+    measured: dict,
+    overlap: float,
+    local_steps: Sequence[int] = (),
+    speeds: Sequence[float] | None = None,
 ) -> list[tuple[runtime.Prediction, float]]:
     """Predictions, fastest first, with the speedup over All-Reduce; with ``local_steps`` also
-    every topology gossiping every H steps and DiLoCo's all-reduce every H steps, per H."""
-    workload = runtime.Workload(
+    every topology gossiping every H steps and DiLoCo's all-reduce every H steps, per H; with
+    ``speeds`` (a factor per worker) on workers of those speeds, and ``uneven=True`` per H."""
+    even = runtime.Workload(
         compute_mean=measured["compute_mean_s"],
         compute_std=measured["compute_std_s"],
         update_time=measured["update_s"],
         backward_fraction=min(1.0, max(0.0, measured["backward_fraction"])),
     )
+    # step-locked methods wait for the slowest worker (decent_optim.runtime.uneven)
+    workload = runtime.paced(even, speeds) if speeds else even
     gossip = {k: (v["round_s"], v["degrees"]) for k, v in measured["gossip"].items()}
     n, allreduce_s = measured["world_size"], measured["allreduce_s"]
     rows = runtime.recommend(workload, n, allreduce_s, gossip, overlap)
@@ -231,6 +240,8 @@ def predict(
     for h in local_steps:
         preds += [runtime.predict_local_steps(workload, t, d, h, k) for k, (t, d) in gossip.items()]
         preds.append(runtime.predict_diloco(workload, n, allreduce_s, h))
+        if speeds:
+            preds += [runtime.predict_uneven(even, speeds, t, h, k) for k, (t, _) in gossip.items()]
     preds.sort(key=lambda p: p.iteration)
     return [(p, base / p.iteration if p.iteration > 0 else 1.0) for p in preds]
 
@@ -269,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     device = init_from_environment()
     try:
         measured = measure(args, device)
-        rows = predict(measured, args.overlap, args.local_steps)
+        speeds = runtime.check_speeds(args.speeds, measured["world_size"]) if args.speeds else None
+        rows = predict(measured, args.overlap, args.local_steps, speeds)
         if group_info()[0] == 0:
             print(format_table(measured, rows), flush=True)
             if args.json:

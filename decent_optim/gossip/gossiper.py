@@ -44,6 +44,10 @@ class LocalGossiper:
     def average_(self, tensors: Sequence[Tensor], what: str = "") -> None:
         """The mean over one rank is the tensor itself."""
 
+    def sum_async(self, values: Tensor) -> GossipHandle:
+        """The sum over one rank is the tensor itself."""
+        return DONE
+
     def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
         """No communication buffers in a world of one."""
         return None
@@ -83,6 +87,11 @@ class Gossiper:
         compression: None (exact), or a codec name of :mod:`decent_optim.gossip.codecs`
             (``"bf16"``, ``"int8"``) for the groups that cross nodes; needs every round to be a
             partition into uniform groups.
+        by_node: whether a group with several ranks on each of several nodes is exchanged part
+            by part (:mod:`~decent_optim.gossip.nodes`), which saves slow-link traffic but
+            makes a round's launch and mix wait for the ranks of the same node. False: every
+            rank exchanges its own copy, and a round waits for nobody until it is mixed (what
+            ranks of uneven speed need).
 
     Sub-groups for all-reduce are created here, collectively: every rank of ``group`` must
     build its ``Gossiper`` at the same point of the program.
@@ -96,6 +105,7 @@ class Gossiper:
         timeout: datetime.timedelta | None = None,
         slot: int = 0,
         compression: str | None = None,
+        by_node: bool = True,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -125,6 +135,7 @@ class Gossiper:
             group, dist.get_rank(group), world_size, global_ranks, timeout, slot * TAGS_PER_SLOT
         )
         self.topology, self.transport, self.timeout = topology, transport, timeout
+        self._node_width = topology.local_world_size if by_node else 1
         self.group, self.rank, self.world_size = group, self._link.rank, world_size
         self._compressed: dict[tuple[int, ...], CompressedGroup] = {}
         subgroups = self._create_subgroups()
@@ -150,7 +161,7 @@ class Gossiper:
     def _by_node(self, members: tuple[int, ...]) -> bool:
         """Whether an exact group round goes by node (:mod:`~decent_optim.gossip.nodes`): its
         ranks live on several nodes, several on each, and no transport is forced."""
-        parts = Parts(members, members[0], self.topology.local_world_size)
+        parts = Parts(members, members[0], self._node_width)
         return self.transport == "auto" and parts.crosses_nodes and parts.width > 1
 
     def _compressed_group(self, members: tuple[int, ...]) -> CompressedGroup:
@@ -158,7 +169,7 @@ class Gossiper:
         round of the period that has this group."""
         found = self._compressed.get(members)
         if found is None:
-            parts = Parts(members, self.rank, self.topology.local_world_size)
+            parts = Parts(members, self.rank, self._node_width)
             found = CompressedGroup(self._link, parts, self._codec)  # type: ignore[arg-type]
             self._compressed[members] = found
         return found
@@ -247,6 +258,15 @@ class Gossiper:
         wait_bounded(works, self.group, self.timeout, what)
         for t in tensors:
             t.div_(self.world_size)
+
+    def sum_async(self, values: Tensor) -> GossipHandle:
+        """Launch the sum of ``values`` over the group's ranks, in place, without waiting: a
+        collective (every rank launches its sums in the same order); the handle's
+        :meth:`~GossipHandle.ready` and :meth:`~GossipHandle.wait` (at most the timeout)."""
+        work = dist.all_reduce(values, group=self.group, async_op=True)
+        return GossipHandle(
+            [(work, None)], None, rank=self.rank, timeout=self.timeout, what="the step count"
+        )
 
     def identical(self, values: Tensor, what: str = "a check") -> Callable[[], bool]:
         """Whether every rank passed bit-identical, nonzero ``values``: a collective launched

@@ -128,6 +128,13 @@ class GossipHandle:
         """True for a round with nothing to exchange or mix (e.g. a rank sitting out)."""
         return not self._works and self._finish is None
 
+    def ready(self) -> bool:
+        """Whether every send and receive of the round has completed, without waiting.
+
+        A failed transfer counts as completed: :meth:`wait` then raises its error at once.
+        """
+        return all(work.is_completed() for work, _ in self._works)
+
     def wait(self) -> None:
         """Block until every send and receive of the round completed (at most ``timeout``).
 

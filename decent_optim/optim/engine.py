@@ -24,10 +24,18 @@ from decent_optim._validation import (
     check_timeout,
     check_unsupported,
 )
-from decent_optim.optim import checkpoint, consensus, frameworks, local_checkpoint, stepping
-from decent_optim.optim import local_steps as periodic
+from decent_optim.optim import (
+    checkpoint,
+    consensus,
+    frameworks,
+    local_checkpoint,
+    schedules,
+    stepping,
+)
+from decent_optim.optim.budget import Budgeted
 from decent_optim.optim.failure import FailureLatch, guarded, guarded_block
 from decent_optim.optim.inputs import AveragedCheck
+from decent_optim.optim.local_steps import OuterSGD
 from decent_optim.optim.options import ParamsT, with_defaults
 from decent_optim.optim.startup import connect
 from decent_optim.optim.state import FlatState
@@ -37,7 +45,7 @@ from decent_optim.topologies import Topology
 __all__ = ["DecentralizedOptimizer"]
 
 
-class DecentralizedOptimizer(Optimizer):
+class DecentralizedOptimizer(Budgeted, Optimizer):
     r"""Base class: a torch optimizer whose parameters are also gossiped with neighbours.
 
     Each :meth:`step` does, on rank :math:`i` at round :math:`t` (``t`` = completed steps):
@@ -104,6 +112,10 @@ class DecentralizedOptimizer(Optimizer):
             every period, an outer Nesterov-momentum step on the pseudo-gradient (DiLoCo over
             gossip; one more buffer); its round is waited for at the end of the period, not
             overlapped. See :doc:`/algorithms` ("Local steps").
+        uneven: with ``local_steps``, for workers of uneven speed: a period lasts at least
+            ``local_steps`` steps and until the neighbours' round has arrived, and the faster
+            workers take more steps meanwhile instead of waiting (end the loop on
+            :attr:`stopped` after :meth:`stop_at`; see :doc:`/uneven_hardware`).
     """
 
     #: the algorithm: its state, its update
@@ -138,10 +150,11 @@ class DecentralizedOptimizer(Optimizer):
         fused: bool | None = None,
         compression: str | None = None,
         local_steps: int = 1,
-        outer: periodic.OuterSGD | str | None = None,
+        outer: OuterSGD | str | None = None,
+        uneven: bool = False,
     ) -> None:
         failure = None
-        period: tuple[int, periodic.OuterSGD | None] = (1, None)
+        period = schedules.EVERY_STEP
         self._building = True
         self._latch = FailureLatch(type(self).__name__)
         try:  # a rank that fails alone must tell the others, which would wait for it at start-up
@@ -151,7 +164,7 @@ class DecentralizedOptimizer(Optimizer):
             check_decentralized(topology, bucket_cap_mb, local_world_size, compression)
             wait_limit = check_timeout(timeout)
             check_global_avg_every(global_avg_every)
-            period = periodic.check_local_steps(local_steps, outer, global_avg_every)
+            period = schedules.check(local_steps, outer, global_avg_every, uneven)
             flags = dict(maximize=maximize, foreach=foreach, fused=fused)
             flags.update(capturable=False, differentiable=False)
             hyper = defaults() if callable(defaults) else defaults
@@ -171,12 +184,13 @@ class DecentralizedOptimizer(Optimizer):
             timeout=wait_limit,
             global_avg_every=global_avg_every,
             compression=compression,
-            local_steps=periodic.describe(*period),
+            local_steps=period.describe(),
+            by_node=not period.uneven,
         )
         self.topology, self._member = start.topology, start.member
         self._where = (start.group, start.device)  # of load_state_dict's cross-check
         self._flat, self._frozen, self._stash = start.flat, start.frozen, start.stash
-        self._rounds = periodic.make_rounds(start.gossip, start.flat, global_avg_every, *period)
+        self._rounds = schedules.make_rounds(start.gossip, start.flat, global_avg_every, period)
         self._flat_state = FlatState(start.flat.buckets, self.rule)
         self.state = self._flat_state.wrap(self.state)
         self._flat_state.prefill(self.state, self.param_groups)  # sharded only: see there

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from decent_optim.optim.local_steps import LocalRounds
 from decent_optim.optim.rounds import Rounds
+from decent_optim.optim.uneven import UnevenRounds
 
 __all__ = ["ENTRY", "check", "restore", "save"]
 
@@ -30,6 +31,8 @@ def save(rounds: Rounds, params: list[Tensor]) -> dict[str, Any] | None:
         return None
     index = {id(p): i for i, p in enumerate(params)}
     entry: dict[str, Any] = {"local_steps": rounds.local_steps, "outer": repr(rounds.outer)}
+    if isinstance(rounds, UnevenRounds):  # where the uneven periods stand
+        entry["uneven"] = rounds.schedule_state()
     for key, flats in (("anchor", rounds.anchor), ("outer_momentum", rounds.momentum)):
         if flats is None:
             continue
@@ -45,15 +48,17 @@ def check(rounds: Rounds, entry: Any) -> None:
     """Raise, before anything changes, if a checkpoint's local steps differ from the optimizer's."""
     local = rounds.local_steps if isinstance(rounds, LocalRounds) else 1
     outer = repr(rounds.outer) if isinstance(rounds, LocalRounds) else repr(None)
+    uneven = isinstance(rounds, UnevenRounds)
     if entry is None:
         return  # every-step gossip, or a torch.optim checkpoint: the anchors restart
     if not isinstance(entry, dict) or "local_steps" not in entry:
         raise ValueError(f"state_dict['decent_optim'][{ENTRY!r}] is not what state_dict() saved")
-    if (entry["local_steps"], entry.get("outer")) != (local, outer):
+    saved = (entry["local_steps"], entry.get("outer"), "uneven" in entry)
+    if saved != (local, outer, uneven):
         raise ValueError(
-            f"the checkpoint was saved with local_steps={entry['local_steps']}, outer="
-            f"{entry.get('outer')}; this optimizer has local_steps={local}, outer={outer}: build "
-            "it with the settings of the saved run"
+            f"the checkpoint was saved with local_steps={saved[0]}, outer={saved[1]}, "
+            f"uneven={saved[2]}; this optimizer has local_steps={local}, outer={outer}, "
+            f"uneven={uneven}: build it with the settings of the saved run"
         )
 
 
@@ -61,6 +66,8 @@ def restore(rounds: Rounds, entry: dict[str, Any] | None, params: list[Tensor]) 
     """Put a checkpoint's anchors and momentum back (after :meth:`LocalRounds.reset`)."""
     if entry is None or not isinstance(rounds, LocalRounds):
         return
+    if isinstance(rounds, UnevenRounds):
+        rounds.load_schedule_state(entry["uneven"])
     index = {id(p): i for i, p in enumerate(params)}
     for key in ("anchor", "outer_momentum"):
         saved = entry.get(key)

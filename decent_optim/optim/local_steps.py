@@ -45,7 +45,7 @@ from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
 from decent_optim.optim.rounds import Rounds
 
-__all__ = ["OuterSGD", "LocalRounds", "check_local_steps", "make_rounds"]
+__all__ = ["OuterSGD", "LocalRounds"]
 
 
 @dataclass(frozen=True)
@@ -76,59 +76,6 @@ class OuterSGD:
             raise ValueError("OuterSGD: Nesterov needs a momentum > 0 (or pass nesterov=False)")
 
 
-_NAMED = {"diloco": OuterSGD(0.7, 0.9, True)}
-
-
-def check_local_steps(
-    local_steps: object, outer: object, global_avg_every: int | None
-) -> tuple[int, OuterSGD | None]:
-    """The validated ``(local_steps, outer)``; a clear error for anything else."""
-    if isinstance(local_steps, bool) or not isinstance(local_steps, int):
-        raise TypeError(
-            f"local_steps must be an int (gossip every this many steps), got "
-            f"{type(local_steps).__name__} {local_steps!r}"
-        )
-    if local_steps < 1:
-        raise ValueError(f"local_steps must be >= 1 (1: gossip every step), got {local_steps}")
-    if isinstance(outer, str):
-        if outer not in _NAMED:
-            raise ValueError(
-                f"outer must be None, {sorted(_NAMED)} or a decent_optim.OuterSGD(lr=..., "
-                f"momentum=..., nesterov=...), got {outer!r}"
-            )
-        outer = _NAMED[outer]
-    if outer is not None and not isinstance(outer, OuterSGD):
-        raise TypeError(
-            f"outer must be None, {sorted(_NAMED)} or a decent_optim.OuterSGD, got "
-            f"{type(outer).__name__}"
-        )
-    if global_avg_every is not None and global_avg_every % local_steps:
-        raise ValueError(
-            f"global_avg_every={global_avg_every} must be a multiple of local_steps="
-            f"{local_steps}: the global average replaces one of the rounds, which are launched "
-            "every local_steps steps"
-        )
-    return local_steps, outer
-
-
-def make_rounds(
-    gossip: Gossiper | LocalGossiper,
-    flat: FlatParams,
-    global_avg_every: int | None,
-    local_steps: int,
-    outer: OuterSGD | None,
-) -> Rounds:
-    """The rounds of an optimizer: every step (:class:`Rounds`) or every ``local_steps``."""
-    if local_steps == 1 and outer is None:
-        return Rounds(gossip, flat, global_avg_every)
-    return LocalRounds(gossip, flat, global_avg_every, local_steps, outer)
-
-
-def describe(local_steps: int, outer: OuterSGD | None) -> str:
-    """The setting the ranks must agree on, as a string."""
-    return f"{local_steps}, outer {outer!r}"
-
-
 class LocalRounds(Rounds):
     """The rounds of the module docstring: one every ``local_steps`` steps, carrying the anchors."""
 
@@ -146,6 +93,11 @@ class LocalRounds(Rounds):
         # be loaded between building the optimizer and stepping)
         self.anchor: list[Tensor] | None = None
         self.momentum: list[Tensor] | None = None  # outer momentum, from the first outer step
+
+    @property
+    def round(self) -> int:
+        """Periods completed (one round is launched at the end of each)."""
+        return self.count // self.local_steps
 
     def take(self) -> None:  # type: ignore[override]
         """Before a step's update: at the end of a period, mix the round that travelled in."""

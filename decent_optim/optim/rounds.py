@@ -46,6 +46,26 @@ class Rounds:
         self._params = [p for b in flat.buckets for p in b.params]
         self._versions: list[int] | None = None  # of the parameters when _pending was launched
         self.held_by: str | None = None  # a block that will restore the buffers (averaged())
+        self.budget: float | None = None  # of stop_at, in DDP-equivalent steps
+
+    @property
+    def progress(self) -> float:
+        """DDP-equivalent steps taken: every rank steps once per round, so the step count."""
+        return float(self.count)
+
+    @property
+    def round(self) -> int:
+        """Rounds completed, counted alike on every rank (one per step here)."""
+        return self.count
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the budget of :meth:`stop_at` is reached."""
+        return self.budget is not None and self.count >= self.budget
+
+    def stop_at(self, steps: float) -> None:
+        """Set the budget, in DDP-equivalent steps."""
+        self.budget = float(steps)
 
     @property
     def in_flight(self) -> bool:

@@ -167,6 +167,7 @@ def connect(
     global_avg_every: int | None,
     compression: str | None = None,
     local_steps: str = "1, outer None",
+    by_node: bool = True,
 ) -> Connected:
     """Steps 1-4 of the module docstring for the parameters of each param group in ``groups``.
 
@@ -235,6 +236,7 @@ def connect(
         timeout=timeout,
         slot=member.slot,
         compression=compression,
+        by_node=by_node,
     )
     return Connected(gossip, topo, flat, frozen, stash, member, group, device)
 

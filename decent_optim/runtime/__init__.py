@@ -33,7 +33,8 @@ that round's exchange, an iteration of round :math:`r` takes
 and the prediction is the mean of :math:`T_r` over the topology's period.
 
 With local steps (gossip every :math:`H` steps, and DiLoCo's all-reduce every :math:`H`) see
-:mod:`decent_optim.runtime.local_steps`.
+:mod:`decent_optim.runtime.local_steps`; on workers of uneven speed (and ``uneven=True``), see
+:mod:`decent_optim.runtime.uneven`.
 
 Assumptions
 -----------
@@ -75,19 +76,23 @@ from decent_optim.runtime.model import (
     recommend,
     round_degrees,
 )
+from decent_optim.runtime.uneven import check_speeds, paced, predict_uneven
 
 __all__ = [
     "WIRE_BYTES",
     "Prediction",
     "Workload",
     "allreduce_time",
+    "check_speeds",
     "expected_max_normal",
     "gossip_round_times",
+    "paced",
     "parse_rate",
     "predict_allreduce",
     "predict_diloco",
     "predict_gossip",
     "predict_local_steps",
+    "predict_uneven",
     "recommend",
     "round_degrees",
     "wire_bytes",

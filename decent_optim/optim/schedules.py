@@ -1,0 +1,99 @@
+"""Which schedule of rounds an optimizer runs, from its keywords; one class per schedule.
+
+* every step (``local_steps=1``): :class:`~decent_optim.optim.rounds.Rounds`;
+* every ``local_steps`` steps, optionally with an outer step (``outer=``):
+  :class:`~decent_optim.optim.local_steps.LocalRounds`;
+* periods of at least ``local_steps`` steps that last until the neighbours' round is in
+  (``uneven=True``): :class:`~decent_optim.optim.uneven.UnevenRounds`.
+
+The keywords are checked here, before anything is built, with an error that says what to pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decent_optim.flat import FlatParams
+from decent_optim.gossip import Gossiper, LocalGossiper
+from decent_optim.optim.local_steps import LocalRounds, OuterSGD
+from decent_optim.optim.rounds import Rounds
+from decent_optim.optim.uneven import UnevenRounds
+
+__all__ = ["EVERY_STEP", "Schedule", "check", "make_rounds"]
+
+_NAMED = {"diloco": OuterSGD(0.7, 0.9, True)}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The validated schedule keywords of an optimizer."""
+
+    local_steps: int = 1
+    outer: OuterSGD | None = None
+    uneven: bool = False
+
+    def describe(self) -> str:
+        """The setting the ranks must agree on, as a string."""
+        text = f"{self.local_steps}, outer {self.outer!r}"
+        return f"{text}, uneven" if self.uneven else text
+
+
+EVERY_STEP = Schedule()
+
+
+def check(
+    local_steps: object, outer: object, global_avg_every: int | None, uneven: object = False
+) -> Schedule:
+    """The validated schedule; a clear error for anything else."""
+    if isinstance(local_steps, bool) or not isinstance(local_steps, int):
+        raise TypeError(
+            f"local_steps must be an int (gossip every this many steps), got "
+            f"{type(local_steps).__name__} {local_steps!r}"
+        )
+    if local_steps < 1:
+        raise ValueError(f"local_steps must be >= 1 (1: gossip every step), got {local_steps}")
+    if isinstance(outer, str):
+        if outer not in _NAMED:
+            raise ValueError(
+                f"outer must be None, {sorted(_NAMED)} or a decent_optim.OuterSGD(lr=..., "
+                f"momentum=..., nesterov=...), got {outer!r}"
+            )
+        outer = _NAMED[outer]
+    if outer is not None and not isinstance(outer, OuterSGD):
+        raise TypeError(
+            f"outer must be None, {sorted(_NAMED)} or a decent_optim.OuterSGD, got "
+            f"{type(outer).__name__}"
+        )
+    if global_avg_every is not None and global_avg_every % local_steps:
+        raise ValueError(
+            f"global_avg_every={global_avg_every} must be a multiple of local_steps="
+            f"{local_steps}: the global average replaces one of the rounds, which are launched "
+            "every local_steps steps"
+        )
+    if not isinstance(uneven, bool):
+        raise TypeError(f"uneven must be True or False, got {type(uneven).__name__} {uneven!r}")
+    if uneven and outer is not None:
+        raise ValueError(
+            "uneven=True does not take outer= yet: the outer step's round would make the "
+            "ranks wait for the slowest; pass outer=None with uneven=True"
+        )
+    if uneven and global_avg_every is not None:
+        raise ValueError(
+            "uneven=True does not take global_avg_every=: a global average makes every rank "
+            "wait for the slowest, which uneven=True exists to avoid; pass global_avg_every=None"
+        )
+    return Schedule(local_steps, outer, uneven)
+
+
+def make_rounds(
+    gossip: Gossiper | LocalGossiper,
+    flat: FlatParams,
+    global_avg_every: int | None,
+    schedule: Schedule,
+) -> Rounds:
+    """The rounds of an optimizer with ``schedule`` (module docstring)."""
+    if schedule.uneven:
+        return UnevenRounds(gossip, flat, schedule.local_steps)
+    if schedule.local_steps == 1 and schedule.outer is None:
+        return Rounds(gossip, flat, global_avg_every)
+    return LocalRounds(gossip, flat, global_avg_every, schedule.local_steps, schedule.outer)

@@ -1,0 +1,236 @@
+r"""Local steps for workers of uneven speed: a period ends when the neighbours' round is in.
+
+With ``local_steps=H`` every rank launches round :math:`k` after its :math:`kH`-th step and mixes
+it in :math:`H` steps later, waiting for it if it has not arrived: a rank half as fast as the
+others makes all of them wait half the time. Here (``uneven=True``) a rank mixes a round only
+once it has arrived, and goes on taking local steps until then:
+
+* a rank launches its next round right after mixing the last one, once it has taken at least
+  :math:`H` steps since it launched that one (the anchor is never written while it travels);
+* from its :math:`H`-th step after a launch, before each step's update, it asks whether the
+  round has arrived (no waiting) and, if so, mixes it in, :math:`x_i \leftarrow x_i + \sum_j
+  w_{ij} a_j - a_i`, as :class:`~decent_optim.optim.local_steps.LocalRounds` does.
+
+So every rank takes part in every round, in the same order, but a period lasts as long as the
+slowest rank needs for its :math:`H` steps, and the faster ranks fill it with more steps of
+their own. Nobody waits for anybody except for the transfer itself. When every round arrives in
+time the schedule is :class:`LocalRounds`' step for step, bit for bit.
+
+**The mean.** The mix keeps :math:`\frac1n \sum_i x_i` (the mixing matrices are doubly
+stochastic), and each rank adds its own local progress to it: a rank that took twice the steps
+moves the mean twice as far, as its samples count twice in DDP's average. A plain average of
+the parameters is therefore the right weighting (no push-sum weights are needed), because every
+period starts from the mixed anchors; what it does not undo is local drift, as with any local
+steps.
+
+**Progress and the budget.** With each round, every rank also launches a sum of the ranks' step
+counts (one number, no waiting); it is read when the round is mixed, so every rank learns the
+same total :math:`S_k` at the same round. :attr:`UnevenRounds.progress` is
+:math:`S_k / n` plus the rank's own steps since it launched round :math:`k` (DDP-equivalent
+steps, for learning-rate schedules), and after :meth:`UnevenRounds.stop_at` every rank stops
+after the step that mixes the first round with :math:`S_k / n + H` at the budget or beyond
+(every rank has then taken at least :math:`H` steps since it launched round :math:`k`), so none
+waits for a round that no one will send; a run ends at most a period past its budget.
+
+**Asking without waiting.** A background thread waits for each round's transfers (gloo's
+point-to-point works say they are complete only once waited for), and the step asks whether it
+is done. That wait is bounded by the optimizer's ``timeout``, so a neighbour that died or stopped
+calling ``step()`` raises :class:`~decent_optim.gossip.GossipError` at the next step.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from decent_optim.flat import FlatParams
+from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
+from decent_optim.optim.local_steps import LocalRounds
+
+__all__ = ["UnevenRounds"]
+
+
+class UnevenRounds(LocalRounds):
+    """The rounds of the module docstring."""
+
+    def __init__(
+        self, gossip: Gossiper | LocalGossiper, flat: FlatParams, local_steps: int
+    ) -> None:
+        super().__init__(gossip, flat, None, local_steps, None)
+        self.launched = 0  # rounds launched; round k is launched k-th
+        self.mixed = 0  # rounds mixed
+        self.since = 0  # steps since the last launch (since the start before the first)
+        self.total: float | None = None  # the ranks' summed steps at the last mixed round
+        self.count_at_launch = 0  # this rank's steps when it launched the last mixed round
+        self.budget: float | None = None
+        self._stopped = False
+        self._out = False  # round `launched` is in flight (its handle may be a no-op)
+        self._sum: tuple[GossipHandle, torch.Tensor, int] | None = None  # (handle, sum, count)
+        self._waiter: _Waiter | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._out or self._relaunch
+
+    @property
+    def progress(self) -> float:
+        """DDP-equivalent steps so far: the ranks' mean step count at the last mixed round, plus
+        this rank's steps since it launched that round (its own count before any)."""
+        if self.total is None:
+            return float(self.count)
+        return self.total / self.gossip.world_size + (self.count - self.count_at_launch)
+
+    @property
+    def round(self) -> int:
+        """Rounds mixed: every rank mixes round k as its k-th, at its own step."""
+        return self.mixed
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the budget was reached at a mixed round (the same round on every rank)."""
+        return self._stopped
+
+    def stop_at(self, steps: float) -> None:
+        """Stop at the first mixed round whose DDP-equivalent progress reaches ``steps``."""
+        self.budget = float(steps)
+        self._check_budget()
+
+    def take(self) -> None:  # type: ignore[override]
+        """Before a step's update: mix the round in flight if it has arrived (no waiting)."""
+        self.check_free("step()")
+        if self._stopped:
+            raise RuntimeError(
+                f"step() after the budget of {self.budget:g} steps was reached (at round "
+                f"{self.mixed}, progress {self.progress:.1f}); every rank stopped at that round. "
+                "End the loop on `opt.stopped`"
+            )
+        if self.anchor is None:
+            self.anchor = [b.clone() for b in self._flat.buffers]
+        if self._relaunch:  # resumed with the round in flight: send it again at once
+            self._relaunch = False
+            self._send(self._resend_count)
+        if not self._out or self.since < self.local_steps - 1:
+            return None
+        if self._waiter is None or self._waiter.done.is_set():
+            self._settle()
+        return None
+
+    def launch(self) -> None:
+        """Count a completed step; launch the next round once the last one is mixed and at
+        least ``local_steps`` steps were taken since it was launched."""
+        self.count += 1
+        self.since += 1
+        if self._stopped or self._out or self.since < self.local_steps:
+            return
+        assert self.anchor is not None  # take() ran first
+        with torch.no_grad():
+            for x, a in zip(self._flat.buffers, self.anchor):
+                a.copy_(x)
+        self.launched += 1
+        self.since = 0
+        self._send(self.count)
+
+    def synchronize(self) -> None:
+        """Mix the round in flight now (waiting for it), instead of when it arrives."""
+        self.check_free("synchronize()")
+        if self._relaunch:
+            self._relaunch = False
+            self._send(self._resend_count)
+        if self._out:
+            self._settle()
+
+    def wait(self, *, check_writes: bool = True) -> None:
+        """Let the round in flight finish its transfers (its waiter thread owns the wait)."""
+        if self._waiter is not None:
+            self._waiter.thread.join()
+
+    def reset(self, count: int, in_flight: bool) -> None:
+        super().reset(count, in_flight)
+        if self._waiter is not None:
+            self._waiter.thread.join()
+        if self._sum is not None:
+            self._sum[0].discard()
+        self._sum, self._out, self._waiter = None, False, None
+
+    def schedule_state(self) -> dict[str, object]:
+        """What a checkpoint keeps besides the anchors (see local_checkpoint)."""
+        return {
+            "launched": self.launched,
+            "mixed": self.mixed,
+            "since": self.since,
+            "total": self.total,
+            "count_at_launch": self.count_at_launch,
+            "sum_count": None if self._sum is None else self._sum[2],
+        }
+
+    def load_schedule_state(self, state: dict[str, object]) -> None:
+        """Take back :meth:`schedule_state` (after :meth:`reset`)."""
+        self.launched, self.mixed = int(state["launched"]), int(state["mixed"])  # type: ignore[call-overload]
+        self.since = int(state["since"])  # type: ignore[call-overload]
+        self.total = None if state["total"] is None else float(state["total"])  # type: ignore[arg-type]
+        self.count_at_launch = int(state["count_at_launch"])  # type: ignore[call-overload]
+        sent = state["sum_count"]
+        self._resend_count = self.count if sent is None else int(sent)  # type: ignore[call-overload]
+
+    # -- internals -------------------------------------------------------------------------------
+    _resend_count = 0
+
+    def _send(self, count: int) -> None:
+        """Launch round :attr:`launched` with the anchors, and the sum of the step counts
+        (``count``: this rank's steps when it launched the round)."""
+        self._pending = self._start()
+        values = torch.tensor([float(count)], dtype=torch.float64)
+        self._sum = (self.gossip.sum_async(values), values, count)
+        self._out = True
+        handles = [h for h in (self._pending, self._sum[0]) if h is not None and not h.is_noop]
+        self._waiter = _Waiter(handles) if handles else None
+
+    def _settle(self) -> None:
+        """Mix the round in (waiting at most the timeout), then its summed step counts."""
+        if self._waiter is not None:
+            waiter, self._waiter = self._waiter, None
+            waiter.thread.join()
+            if waiter.error is not None:
+                raise waiter.error
+        self._mix_in()
+        self._out = False
+        self.mixed += 1
+        if self._sum is not None:
+            handle, values, count = self._sum
+            handle.wait()
+            self.total, self.count_at_launch = float(values.item()), count
+            self._sum = None
+        self._check_budget()
+
+    def _start(self) -> GossipHandle | None:
+        assert self.anchor is not None
+        handle = self.gossip.start(self.anchor, self.launched)
+        return None if handle.is_noop else handle
+
+    def _check_budget(self) -> None:
+        # by the end of the step that mixes round k every rank has taken at least local_steps
+        # steps since launching it: S_k / n + local_steps, the same number on every rank
+        if self.budget is None or self.total is None:
+            return
+        if self.total / self.gossip.world_size + self.local_steps >= self.budget:
+            self._stopped = True
+
+
+class _Waiter:
+    """Waits for a round's transfers in a thread of its own; :attr:`done` is set after."""
+
+    def __init__(self, handles: list[GossipHandle]) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(handles,), daemon=True)
+        self.thread.start()
+
+    def _run(self, handles: list[GossipHandle]) -> None:
+        try:
+            for handle in handles:
+                handle.wait()  # bounded by the optimizer's timeout (GossipError)
+        except BaseException as err:  # handed to the step, which raises it
+            self.error = err
+        finally:
+            self.done.set()
