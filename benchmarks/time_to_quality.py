@@ -201,8 +201,8 @@ def worker(args) -> None:
         return total / len(val)
 
     @torch.no_grad()
-    def consensus_loss() -> float:
-        if m["kind"] == "ddp":
+    def consensus_loss(plain: bool = False) -> float:
+        if m["kind"] == "ddp" or plain:  # plain: the parameters already are the consensus
             return evaluate()
         if m["kind"] == "decent":
             with opt.averaged(model):
@@ -240,7 +240,7 @@ def worker(args) -> None:
     uneven = m["uneven"]  # the ranks step at their own pace: budget, schedule and evaluation
     if uneven:  # follow the optimizer's DDP-equivalent progress and its rounds
         opt.stop_at(max_steps)
-    eval_rounds, evaluated = max(1, args.eval_every // m["H"]), 0
+    eval_rounds, evaluated, snapshots = max(1, args.eval_every // m["H"]), 0, []
     dist.barrier()
     resumed = time.perf_counter()
     step = 0
@@ -258,14 +258,15 @@ def worker(args) -> None:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()  # DiLoCo: the inner step, and the outer one at the end of a period
         step += 1
-        if uneven:  # at a round every rank mixes as its own (opt.round), not at a step count
-            if opt.round == evaluated or (opt.round % eval_rounds and not opt.stopped):
-                continue
-            evaluated, done = opt.round, round(opt.progress)
-        else:
-            done = step
-            if done % args.eval_every and done != max_steps:
-                continue
+        if uneven:  # snapshots at rounds, evaluated after training (see _replay)
+            if opt.round != evaluated and (opt.round % eval_rounds == 0 or opt.stopped):
+                evaluated = opt.round
+                elapsed_s = time.perf_counter() - resumed
+                snapshots.append((elapsed_s, opt.progress, [p.detach().clone() for p in params]))
+            continue
+        done = step
+        if done % args.eval_every and done != max_steps:
+            continue
         # the wall-clock when the last rank got here; evaluation is not counted
         elapsed = torch.tensor([time.perf_counter() - resumed], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -281,6 +282,8 @@ def worker(args) -> None:
         resumed = time.perf_counter()
         if stop:
             break
+    if uneven:
+        rows, reached = _replay(snapshots, params, consensus_loss, target)
     if rank == 0:
         out = {
             "method": args.method,
@@ -298,6 +301,37 @@ def worker(args) -> None:
         }
         Path(args.part).write_text(json.dumps(out))
     dist.destroy_process_group()
+
+
+def _replay(snapshots, params, evaluate, target):
+    """Evaluate ``uneven=True``'s snapshots after training: ``(rows, time to target)``.
+
+    An evaluation during training would be a collective at a round, where the fast ranks would
+    wait for the slow one to mix it instead of training on. So every rank keeps its parameters
+    at every evaluation round (the same rounds on every rank) and the time it got there; the
+    consensus model of a round is the mean of the ranks' copies, reached when the last rank
+    got there.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rows, reached = [], None
+    for elapsed_s, progress, copies in snapshots:
+        when = torch.tensor([elapsed_s, progress], dtype=torch.float64)
+        dist.all_reduce(when, op=dist.ReduceOp.MAX)
+        backup = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, c in zip(params, copies):
+                dist.all_reduce(c)
+                p.copy_(c / dist.get_world_size())
+        loss = evaluate(plain=True)
+        with torch.no_grad():
+            for p, b in zip(params, backup):
+                p.copy_(b)
+        rows.append({"step": round(float(when[1])), "train_s": float(when[0]), "val_loss": loss})
+        if target is not None and reached is None and loss <= target:
+            reached = float(when[0])
+    return rows, reached
 
 
 # -- launcher -------------------------------------------------------------------------------------

@@ -17,5 +17,7 @@ for rate in "${rates[@]}"; do
   flock /tmp/emulate.lock "$emulate" --nodes "${TTQ_NODES:-2}" --rate "$rate" --timeout "${TTQ_TIMEOUT:-3600}" -- \
     bash -c "$python benchmarks/time_to_quality.py --nproc ${TTQ_NPROC:-2} --tag $rate${TTQ_SUFFIX:-} ${TTQ_ARGS:-}"
 done
-"$python" benchmarks/time_to_quality.py --plot "${rates[@]/%/${TTQ_SUFFIX:-}}"
+if [[ ${TTQ_PLOT:-1} == 1 ]]; then
+  "$python" benchmarks/time_to_quality.py --plot "${rates[@]/%/${TTQ_SUFFIX:-}}"
+fi
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -40,6 +40,11 @@ CASES = [
     ),
     ("train_fsdp.py", ["--steps", "4"], "done: "),
     (
+        "uneven_workers.py",
+        ["--steps", "12", "--step-ms", "2", "--eval-rounds", "2"],
+        "DDP-equivalent steps",
+    ),
+    (
         "digits_cnn.py",
         ["--steps", "6", "--eval-every", "3"],
         "test accuracy of the consensus model",

@@ -9,6 +9,7 @@ gradient was taken before the mix), the anchor taken after it. Faults (a rank th
 
 from __future__ import annotations
 
+import io
 import time
 
 import pytest
@@ -285,3 +286,89 @@ def test_plan_predicts_uneven_speeds():
     assert times["ring H=4"] == pytest.approx(0.2)  # the slowest paces it
     assert times["all-reduce"] == pytest.approx(0.2 + 0.08 - 0.08)  # backward hides 0.08 s
     assert plan.parse(["--speeds", "1", "1", "1", "0.5"]).speeds == [1, 1, 1, 0.5]
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+
+
+def _resume(rank, n, save_at, steps):
+    """Even ranks (rounds given time to arrive, as in _run_even): ``steps`` in one go, and again
+    with a checkpoint at ``save_at`` (mid-period, round in flight) loaded into a new optimizer."""
+
+    def build():
+        model = _model()
+        cls, kwargs, *_ = OPTIMIZERS[NAME]
+        return model, cls(
+            _param_groups(model), **kwargs, topology="ring", local_steps=3, uneven=True
+        )
+
+    def run(model, opt, start, stop):
+        for t in range(start, stop):
+            waiter = opt._rounds._waiter
+            if waiter is not None:
+                waiter.thread.join()
+            opt.zero_grad()
+            _loss(model, rank, t).backward()
+            opt.step()
+
+    model, opt = build()
+    run(model, opt, 0, save_at)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    run(model, opt, save_at, steps)
+    straight, progress = _vector(model), opt.progress
+    opt.synchronize()
+    del opt
+    model, opt = build()
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    run(model, opt, save_at, steps)
+    return straight, _vector(model), progress, opt.progress
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("save_at", [6, 7, 8])  # right after a launch, one and two steps after
+def test_resume_mid_period_is_bit_exact(save_at):
+    for straight, resumed, progress, resumed_progress in run_world(_resume, 2, save_at, 14):
+        assert torch.equal(straight, resumed)
+        assert progress == resumed_progress
+
+
+def _checkpoint_then_resize(rank, n, root, stage):
+    """Stage "save": 2 ranks at uneven speed save at round 3 (``step=opt.round``); stage
+    "load": the world loads it (another size) and trains on to a budget."""
+    from decent_optim import checkpoint
+
+    model = _model()
+    opt = _build(model, local_steps=2, timeout=60)
+    if stage == "save":
+        t = 0
+        while opt.round < 3:
+            time.sleep(0.01 * rank)
+            opt.zero_grad()
+            _loss(model, rank, t).backward()
+            opt.step()
+            t += 1
+        checkpoint.save(root, model, opt, step=opt.round)
+        checkpoint.wait(root)
+        return _vector(model)
+    resumed = checkpoint.load(root, model, opt)
+    loaded = _vector(model)
+    opt.stop_at(opt.progress + 6)
+    t = 0
+    while not opt.stopped:
+        opt.zero_grad()
+        _loss(model, rank, 100 + t).backward()
+        opt.step()
+        t += 1
+    return resumed.step, loaded, bool(torch.isfinite(_vector(model)).all())
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_save_and_load_at_another_world_size(tmp_path):
+    saved = run_world_fresh(_checkpoint_then_resize, 2, str(tmp_path), "save")
+    ((step, loaded, finite),) = run_world_fresh(_checkpoint_then_resize, 1, str(tmp_path), "load")
+    assert step == 3 and finite
+    # consensus: the one new rank starts from the mean of the two saved copies
+    torch.testing.assert_close(loaded, torch.stack(saved).mean(0), rtol=0, atol=1e-12)

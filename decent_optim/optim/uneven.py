@@ -107,12 +107,15 @@ class UnevenRounds(LocalRounds):
             )
         if self.anchor is None:
             self.anchor = [b.clone() for b in self._flat.buffers]
-        if self._relaunch:  # resumed with the round in flight: send it again at once
+        resent = self._relaunch
+        if resent:  # resumed with the round in flight: send it again at once
             self._relaunch = False
             self._send(self._resend_count)
         if not self._out or self.since < self.local_steps - 1:
             return None
-        if self._waiter is None or self._waiter.done.is_set():
+        # a round resent at a resume is waited for where it was due: every rank resent it
+        # together, and the resumed run then mixes where the saved one would have
+        if resent or self._waiter is None or self._waiter.done.is_set():
             self._settle()
         return None
 
