@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--speeds",
-        default=None,
+        default="",
         help="per-rank speed factors, comma-separated (1,1,1,0.5: rank 3 at half "
         "speed); default all 1",
     )
@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def speeds_of(spec: str | None, world_size: int) -> list[float]:
-    if not spec:
+    if not spec or spec == "None":
         return [1.0] * world_size
     speeds = [float(s) for s in spec.split(",")]
     if len(speeds) != world_size or not all(s > 0 for s in speeds):
