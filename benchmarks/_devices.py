@@ -2,16 +2,20 @@
 
 On a shared 2-core machine the ranks' real compute depends on how the cores are shared, so a
 benchmark of uneven hardware cannot come from real compute. Instead every step is padded by a
-sleep to an emulated device time, taken at the start of the step, before any communication
-(DDP's all-reduce runs inside backward, so a pad after it would hide the wait it causes):
+sleep to an emulated device time, taken before any communication of the step (a pad after a
+wait for other ranks would hide the wait):
 
     device time of rank r's step s = device_ms / speed[r] * jitter(seed, r, s)
 
 ``jitter`` is 1, or a log-normal factor of mean 1 and coefficient of variation ``jitter_cv``
 (the sigma of the paper's runtime model), drawn from a generator seeded by (seed, rank, step), so
 every method sees the same device times. The sleep is the device time less the rank's real
-compute of a step, measured once before training (``calibrate``); waits for other ranks stay
-inside the clock. ``device_ms=0`` turns it off (real compute only).
+compute of this very step (``pad(step, spent)``, called after forward and backward and before
+the step's communication), so a step takes its device time whatever the other ranks' processes
+do to the shared cores; where the compute cannot be separated from communication (Decent-DP's
+hooks) the sleep comes at the start of the step, less a compute time measured once
+(``calibrate``). Waits for other ranks stay inside the clock. ``device_ms=0`` turns it off
+(real compute only).
 """
 
 from __future__ import annotations
@@ -96,7 +100,9 @@ class Device:
             factor = math.exp(rng.gauss(self._mu, self._sigma))
         return self.ms * factor / 1e3
 
-    def pad(self, step: int) -> None:
-        """Sleep for this step's device time less the real compute that follows."""
+    def pad(self, step: int, spent: float | None = None) -> None:
+        """Sleep for this step's device time less its real compute: ``spent`` seconds already
+        taken by it, or (``None``) the calibrated compute that is still to follow."""
         if self.on:
-            time.sleep(max(0.0, self.step_s(step) - self.compute_s))
+            done = self.compute_s if spent is None else spent
+            time.sleep(max(0.0, self.step_s(step) - done))

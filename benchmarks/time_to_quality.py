@@ -34,8 +34,10 @@ Methods (``--methods``):
   ``diloco:H<h>:avg``: plain averaging instead (outer lr 1, no momentum: local AdamW with an
   all-reduce average every ``h`` steps) at ``--lr`` x ``--decent-lr-factor``.
 
-Uneven or emulated hardware (``_devices.py``): ``--device-ms D`` pads every step, at its start
-and before any communication, to D ms of emulated device time; ``--speeds 1,1,1,0.5`` makes
+Uneven or emulated hardware (``_devices.py``): ``--device-ms D`` pads every step, after its
+forward and backward and before any communication, to D ms of emulated device time (DDP's
+all-reduce of the gradients then comes after the backward, as one flat buffer, instead of inside
+it; Decent-DP's pad comes at the start of the step); ``--speeds 1,1,1,0.5`` makes
 rank 3 take 2D; ``--jitter-cv 0.3`` draws each step's time from a log-normal of mean 1 and that
 coefficient of variation, the same draws for every method. So the ranks' speeds do not depend on
 how the machine's cores are shared, and every wait for another rank stays inside the clock.
@@ -48,6 +50,7 @@ The script is a launcher (as ``train_iteration.py``): under ``emulate-cluster`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -226,7 +229,7 @@ def worker(args) -> None:
             args.time_limit_factor * json.loads(Path(args.target_from).read_text())["train_s"]
         )
     device = _devices.Device(args, rank, n)
-    if device.on:  # real compute of one step, on a copy (no communication, no state touched)
+    if device.on and dl is not None:  # Decent-DP: real compute of one step, on a copy (no communication, no state touched)
         import copy
 
         twin, (x0, y0) = copy.deepcopy(model), batch(0)
@@ -236,30 +239,47 @@ def worker(args) -> None:
             F.cross_entropy(twin(x0).flatten(0, 1), y0.flatten()).backward()
 
         device.calibrate(one_step)
+    grads = [p for p in params if p.requires_grad]
+
+    def average_gradients() -> None:  # DDP's all-reduce, as one flat buffer
+        flat = torch.cat([p.grad.reshape(-1) for p in grads])
+        dist.all_reduce(flat)
+        flat /= n
+        offset = 0
+        for p in grads:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+
     rows, reached, train_s = [], None, 0.0
     uneven = m["uneven"]  # the ranks step at their own pace: budget, schedule and evaluation
     if uneven:  # follow the optimizer's DDP-equivalent progress and its rounds
         opt.stop_at(max_steps)
-    eval_rounds, evaluated, snapshots = max(1, args.eval_every // m["H"]), 0, []
+    evaluated, snapshots = 0, []
     dist.barrier()
     resumed = time.perf_counter()
     step = 0
     while not (opt.stopped if uneven else step >= max_steps):
         factor = lr_factor(int(opt.progress) if uneven else step)
         x, y = batch(step)
-        device.pad(step)  # the emulated device's time, before any communication of the step
-        if dl is not None:
+        if dl is not None:  # Decent-DP communicates inside backward: pad before it
+            device.pad(step)
             F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
         else:
             for g in opt.param_groups:
                 g["lr"] = peak * factor
             opt.zero_grad()
-            F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+            began = time.perf_counter()
+            with net.no_sync() if m["kind"] == "ddp" else contextlib.nullcontext():
+                F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+            # the emulated device's time, after this step's compute and before its communication
+            device.pad(step, time.perf_counter() - began)
+            if m["kind"] == "ddp":  # DDP's gradient average, after the device time
+                average_gradients()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()  # DiLoCo: the inner step, and the outer one at the end of a period
         step += 1
-        if uneven:  # snapshots at rounds, evaluated after training (see _replay)
-            if opt.round != evaluated and (opt.round % eval_rounds == 0 or opt.stopped):
+        if uneven:  # snapshots at every round, evaluated after training (see _replay)
+            if opt.round != evaluated:
                 evaluated = opt.round
                 elapsed_s = time.perf_counter() - resumed
                 snapshots.append((elapsed_s, opt.progress, [p.detach().clone() for p in params]))
@@ -283,7 +303,7 @@ def worker(args) -> None:
         if stop:
             break
     if uneven:
-        rows, reached = _replay(snapshots, params, consensus_loss, target)
+        rows, reached = _replay(snapshots, params, consensus_loss, target, args.eval_every)
     if rank == 0:
         out = {
             "method": args.method,
@@ -303,34 +323,42 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def _replay(snapshots, params, evaluate, target):
+def _replay(snapshots, params, evaluate, target, every):
     """Evaluate ``uneven=True``'s snapshots after training: ``(rows, time to target)``.
 
     An evaluation during training would be a collective at a round, where the fast ranks would
     wait for the slow one to mix it instead of training on. So every rank keeps its parameters
-    at every evaluation round (the same rounds on every rank) and the time it got there; the
-    consensus model of a round is the mean of the ranks' copies, reached when the last rank
-    got there.
+    at every round (the same rounds on every rank) and the time it got there; the consensus
+    model of a round is the mean of the ranks' copies, reached when the last rank got there,
+    after the mean of the ranks' progress (their steps summed over their number). The rounds
+    evaluated are the first past each multiple of ``every`` steps, and the last.
     """
     import torch
     import torch.distributed as dist
 
+    n = dist.get_world_size()
+    when = torch.tensor([s[0] for s in snapshots], dtype=torch.float64)
+    dist.all_reduce(when, op=dist.ReduceOp.MAX)
+    # each rank's progress counts its own steps exactly: their mean is the ranks' steps / n
+    steps = torch.tensor([s[1] / n for s in snapshots], dtype=torch.float64)
+    dist.all_reduce(steps)
+    marks = [int(v // every) for v in steps.tolist()]
+    picked = [k for k in range(len(snapshots))
+              if k == len(snapshots) - 1 or marks[k] > (marks[k - 1] if k else 0)]  # fmt: skip
     rows, reached = [], None
-    for elapsed_s, progress, copies in snapshots:
-        when = torch.tensor([elapsed_s, progress], dtype=torch.float64)
-        dist.all_reduce(when, op=dist.ReduceOp.MAX)
+    for k in picked:
         backup = [p.detach().clone() for p in params]
         with torch.no_grad():
-            for p, c in zip(params, copies):
+            for p, c in zip(params, snapshots[k][2]):
                 dist.all_reduce(c)
-                p.copy_(c / dist.get_world_size())
+                p.copy_(c / n)
         loss = evaluate(plain=True)
         with torch.no_grad():
             for p, b in zip(params, backup):
                 p.copy_(b)
-        rows.append({"step": round(float(when[1])), "train_s": float(when[0]), "val_loss": loss})
+        rows.append({"step": round(float(steps[k])), "train_s": float(when[k]), "val_loss": loss})
         if target is not None and reached is None and loss <= target:
-            reached = float(when[0])
+            reached = float(when[k])
     return rows, reached
 
 

@@ -4,7 +4,8 @@
 # 30% coefficient of variation), for each link rate, seed and cluster shape given.
 #   benchmarks/uneven_ttq.sh                      # 2 nodes x 2, 100mbit, seed 0, even half jitter
 #   SHAPE=4x1 RATES="1gbit 100mbit" SEEDS="0 1" HARDWARE="even half" benchmarks/uneven_ttq.sh
-# Results: benchmarks/results/ttq_<rate>_uneven_<shape>_<hardware>_s<seed>.{md,csv,json}.
+# Results: benchmarks/results/ttq_<rate>_uneven<TAG>_<shape>_<hardware>_s<seed>.{md,csv,json}
+# (TAG: empty by default; another for another set of methods, e.g. TAG=-h2).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 shape=${SHAPE:-2x2}
@@ -23,7 +24,7 @@ for rate in ${RATES:-100mbit}; do
         jitter) devices="--device-ms $device_ms --jitter-cv 0.3" ;;
         *) echo "unknown hardware $hardware" >&2; exit 2 ;;
       esac
-      TTQ_PLOT=0 TTQ_NODES=$nodes TTQ_NPROC=$nproc TTQ_SUFFIX="_uneven_${shape}_${hardware}_s${seed}" \
+      TTQ_PLOT=0 TTQ_NODES=$nodes TTQ_NPROC=$nproc TTQ_SUFFIX="_uneven${TAG:-}_${shape}_${hardware}_s${seed}" \
       TTQ_ARGS="--steps $steps --warmup $((steps / 5)) --eval-every $((steps / 25)) --seed $seed \
         --max-steps-factor 1.5 --time-limit-factor 2.5 $devices --methods $methods" \
         benchmarks/time_to_quality.sh "$rate"
