@@ -229,7 +229,7 @@ def worker(args) -> None:
             args.time_limit_factor * json.loads(Path(args.target_from).read_text())["train_s"]
         )
     device = _devices.Device(args, rank, n)
-    if device.on and dl is not None:  # Decent-DP: real compute of one step, on a copy (no communication, no state touched)
+    if device.on and dl is not None:  # Decent-DP: one step's real compute, on a copy
         import copy
 
         twin, (x0, y0) = copy.deepcopy(model), batch(0)
