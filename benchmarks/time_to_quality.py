@@ -10,7 +10,8 @@ parameters; AdamW betas (0.9, 0.95).
 
 DDP + AdamW trains ``--steps``; its final held-out loss is the target. Every other method trains
 until its consensus model (the mean of the workers' parameters) reaches the target, or
-``--max-steps-factor`` x ``--steps`` steps, or ``--time-limit-factor`` x DDP's wall-clock.
+``--max-steps-factor`` x ``--steps`` steps, or ``--time-limit-factor`` x DDP's wall-clock
+(``uneven`` methods: ``--uneven-budget-factor`` x ``--steps``, evaluated afterwards).
 Evaluation every ``--eval-every`` steps; the clock stops for it (training time is counted to
 when the last rank arrives, and a barrier after it restarts the clock on every rank), and
 evaluation time is excluded from every number.
@@ -223,6 +224,8 @@ def worker(args) -> None:
     if args.target_from:
         target = json.loads(Path(args.target_from).read_text())["final_loss"]
     max_steps = args.steps if m["kind"] == "ddp" else int(args.steps * args.max_steps_factor)
+    if m["uneven"] and args.uneven_budget_factor:  # it trains to its budget (see _replay)
+        max_steps = int(args.steps * args.uneven_budget_factor)
     time_limit = None
     if args.target_from and args.time_limit_factor:
         time_limit = (
@@ -516,6 +519,9 @@ def main() -> None:
         q.add_argument("--lr", type=float, default=6e-3, help="DDP's (the study's tuned rate)")
         q.add_argument("--decent-lr-factor", type=float, default=2.0)
         q.add_argument("--max-steps-factor", type=float, default=1.5)
+        q.add_argument("--uneven-budget-factor", type=float, default=0.0,
+                       help="uneven methods' budget x --steps (0: --max-steps-factor); they are "
+                       "evaluated after training, so they train to it")  # fmt: skip
         q.add_argument("--time-limit-factor", type=float, default=3.0)
         q.add_argument("--seed", type=int, default=0)
         q.add_argument("--threads", type=int, default=1, help="torch threads per rank")

@@ -1,11 +1,13 @@
 """The tables of ``uneven_ttq.sh``: time to DDP's loss per method on even and uneven devices.
 
     python benchmarks/uneven_report.py            # reads results/ttq_*_uneven_*.json
+    python benchmarks/uneven_report.py --rst      # one summary table, for the docs
 
 For every (link rate, cluster shape, seed): each method's time to DDP's final loss with even
 devices, with one rank at half speed and with 30% jitter, and the ratio of each to the same
 method's even time (the issue's measure: what uneven hardware costs a method), then its final
-loss against DDP's.
+loss against DDP's. ``--rst``: one row per (link, shape, seed), each method's uneven time over
+its even time, and the uneven mode's even time over the step-locked mode's.
 """
 
 from __future__ import annotations
@@ -73,8 +75,50 @@ def table(key: tuple, by_hw: dict) -> str:
     return "\n".join(lines)
 
 
+SHORT = {"ddp": "DDP", "diloco:H16": "DiLoCo H=16"}
+LOCKED = "decent:alternating-exp-ring+int8:H4"
+UNEVEN = "decent:alternating-exp-ring+int8:H2:uneven"
+
+
+def _ratio(by_hw: dict, hw: str, method: str) -> str:
+    t, even = _time(by_hw.get(hw, {}).get(method)), _time(by_hw.get("even", {}).get(method))
+    if hw in by_hw and method in by_hw[hw] and t is None:
+        return "not reached"
+    return "-" if t is None or even is None else f"{t / even:.2f}x"
+
+
+def summary(runs: dict) -> str:
+    """An RST list-table: time on uneven devices over the same method's even time."""
+    head = ["link, shape, seed", "DDP half", "DiLoCo half", "H=4 half", "H=2 uneven half",
+            "H=2 uneven jitter", "H=2 uneven even / H=4 even", "load"]  # fmt: skip
+    lines = [".. list-table::", "   :header-rows: 1", ""]
+    rows = [head]
+    for (rate, shape, seed, tag), by_hw in sorted(
+        runs.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])
+    ):
+        if tag:
+            continue
+        even = by_hw.get("even", {})
+        both = [_time(even.get(m)) for m in (UNEVEN, LOCKED)]
+        vs = f"{both[0] / both[1]:.2f}" if None not in both else "-"
+        loads = "/".join(f"{v:.1f}" for v in by_hw["_load"].values())
+        rows.append([f"{rate}, {shape}, {seed}", _ratio(by_hw, "half", "ddp"),
+                     _ratio(by_hw, "half", "diloco:H16"), _ratio(by_hw, "half", LOCKED),
+                     _ratio(by_hw, "half", UNEVEN), _ratio(by_hw, "jitter", UNEVEN), vs, loads])  # fmt: skip
+    for row in rows:
+        lines.append("   * - " + row[0])
+        lines += [f"     - {cell}" for cell in row[1:]]
+    return "\n".join(lines)
+
+
 def main() -> None:
-    for key, by_hw in sorted(load().items()):
+    import sys
+
+    runs = load()
+    if "--rst" in sys.argv[1:]:
+        print(summary(runs))
+        return
+    for key, by_hw in sorted(runs.items()):
         print(table(key, by_hw) + "\n")
 
 

@@ -5,7 +5,8 @@
 #   benchmarks/uneven_ttq.sh                      # 2 nodes x 2, 100mbit, seed 0, even half jitter
 #   SHAPE=4x1 RATES="1gbit 100mbit" SEEDS="0 1" HARDWARE="even half" benchmarks/uneven_ttq.sh
 # Results: benchmarks/results/ttq_<rate>_uneven<TAG>_<shape>_<hardware>_s<seed>.{md,csv,json}
-# (TAG: empty by default; another for another set of methods, e.g. TAG=-h2).
+# (TAG: empty by default; another for another set of methods, e.g. TAG=-h2). UNEVEN_BUDGET: the
+# uneven methods' budget in DDP-equivalent steps x STEPS (default 1.5; they train to it).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 shape=${SHAPE:-2x2}
@@ -13,7 +14,7 @@ nodes=${shape%x*} nproc=${shape#*x}
 world=$((nodes * nproc))
 device_ms=${DEVICE_MS:-80}
 steps=${STEPS:-600}
-methods=${METHODS:-"ddp diloco:H16 decent:alternating-exp-ring+int8:H4 decent:alternating-exp-ring+int8:H4:uneven"}
+methods=${METHODS:-"ddp diloco:H16 decent:alternating-exp-ring+int8:H4 decent:alternating-exp-ring+int8:H2:uneven"}
 half=$(python3 -c "print(','.join(['1'] * ($world - 1) + ['0.5']))")
 for rate in ${RATES:-100mbit}; do
   for seed in ${SEEDS:-0}; do
@@ -26,7 +27,7 @@ for rate in ${RATES:-100mbit}; do
       esac
       TTQ_PLOT=0 TTQ_NODES=$nodes TTQ_NPROC=$nproc TTQ_SUFFIX="_uneven${TAG:-}_${shape}_${hardware}_s${seed}" \
       TTQ_ARGS="--steps $steps --warmup $((steps / 5)) --eval-every $((steps / 25)) --seed $seed \
-        --max-steps-factor 1.5 --time-limit-factor 2.5 $devices --methods $methods" \
+        --max-steps-factor 1.5 --uneven-budget-factor ${UNEVEN_BUDGET:-1.5} --time-limit-factor 2.5 $devices --methods $methods" \
         benchmarks/time_to_quality.sh "$rate"
     done
   done
