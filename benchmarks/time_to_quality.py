@@ -37,8 +37,8 @@ Methods (``--methods``):
 
 Uneven or emulated hardware (``_devices.py``): ``--device-ms D`` pads every step, after its
 forward and backward and before any communication, to D ms of emulated device time (DDP's
-all-reduce of the gradients then comes after the backward, as one flat buffer, instead of inside
-it; Decent-DP's pad comes at the start of the step); ``--speeds 1,1,1,0.5`` makes
+all-reduce of the gradients then comes after the pad, as one flat buffer, instead of inside the
+backward; Decent-DP's pad comes at the start of the step); ``--speeds 1,1,1,0.5`` makes
 rank 3 take 2D; ``--jitter-cv 0.3`` draws each step's time from a log-normal of mean 1 and that
 coefficient of variation, the same draws for every method. So the ranks' speeds do not depend on
 how the machine's cores are shared, and every wait for another rank stays inside the clock.
@@ -272,11 +272,12 @@ def worker(args) -> None:
                 g["lr"] = peak * factor
             opt.zero_grad()
             began = time.perf_counter()
-            with net.no_sync() if m["kind"] == "ddp" else contextlib.nullcontext():
+            padded_ddp = m["kind"] == "ddp" and device.on  # else DDP's own overlapped all-reduce
+            with net.no_sync() if padded_ddp else contextlib.nullcontext():
                 F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
             # the emulated device's time, after this step's compute and before its communication
             device.pad(step, time.perf_counter() - began)
-            if m["kind"] == "ddp":  # DDP's gradient average, after the device time
+            if padded_ddp:  # DDP's gradient average, after the device time
                 average_gradients()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()  # DiLoCo: the inner step, and the outer one at the end of a period

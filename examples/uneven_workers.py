@@ -3,9 +3,10 @@
 torchrun --standalone --nproc-per-node 4 examples/uneven_workers.py             # rank 3 2x slower
 torchrun --standalone --nproc-per-node 4 examples/uneven_workers.py --even      # for comparison
 
-The character GPT of ``train_charlm.py``, with ``local_steps=4, uneven=True``: a round leaves
-every 4 steps or more and each worker mixes it in when it has arrived, taking local steps until
-then. The loop ends on the optimizer's budget, the learning rate follows its DDP-equivalent
+The character GPT of ``train_charlm.py``, with ``local_steps=2, uneven=True``: a round leaves
+every 2 steps or more and each worker mixes it in when it has arrived, taking local steps until
+then (a period lasts the slowest worker's 2 steps, so the fast ones take 4 at half its speed:
+pick half the ``local_steps`` you would on even hardware). The loop ends on the optimizer's budget, the learning rate follows its DDP-equivalent
 progress and evaluation happens at rounds, the points every worker reaches in the same order
 (step counts differ from worker to worker). A slow device is emulated by a sleep per step.
 """
@@ -35,7 +36,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=60.0, help="emulated device time per step")
     p.add_argument("--slow-rank", type=int, default=-1, help="default: the last rank")
     p.add_argument("--even", action="store_true", help="every worker at the same speed")
-    p.add_argument("--eval-rounds", type=int, default=25, help="rounds between evaluations")
+    p.add_argument("--eval-rounds", type=int, default=50, help="rounds between evaluations")
     args = p.parse_args()
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
@@ -50,7 +51,7 @@ def main() -> None:
     model = train_charlm.CharGPT(corpus.vocab_size)
     peak = 3e-3
     opt = dopt.DecentralizedAdamW(
-        model.parameters(), lr=peak, topology="ring", local_steps=4, uneven=True
+        model.parameters(), lr=peak, topology="ring", local_steps=2, uneven=True
     )
     opt.stop_at(args.steps)  # every worker stops at the same round, once the budget is reached
     gen = torch.Generator().manual_seed(rank)
