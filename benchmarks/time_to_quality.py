@@ -242,16 +242,17 @@ def worker(args) -> None:
             F.cross_entropy(twin(x0).flatten(0, 1), y0.flatten()).backward()
 
         device.calibrate(one_step)
-    grads = [p for p in params if p.requires_grad]
+    # with emulated devices DDP all-reduces after the pad (as one flat buffer, as _diloco does);
+    # otherwise inside backward, overlapped, as DDP does
+    padded_ddp = m["kind"] == "ddp" and device.on
 
-    def average_gradients() -> None:  # DDP's all-reduce, as one flat buffer
-        flat = torch.cat([p.grad.reshape(-1) for p in grads])
+    def average_gradients() -> None:
+        from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = parameters_to_vector(grads)
         dist.all_reduce(flat)
-        flat /= n
-        offset = 0
-        for p in grads:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+        vector_to_parameters(flat.div_(n), grads)
 
     rows, reached, train_s = [], None, 0.0
     uneven = m["uneven"]  # the ranks step at their own pace: budget, schedule and evaluation
@@ -272,7 +273,6 @@ def worker(args) -> None:
                 g["lr"] = peak * factor
             opt.zero_grad()
             began = time.perf_counter()
-            padded_ddp = m["kind"] == "ddp" and device.on  # else DDP's own overlapped all-reduce
             with net.no_sync() if padded_ddp else contextlib.nullcontext():
                 F.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
             # the emulated device's time, after this step's compute and before its communication

@@ -75,7 +75,6 @@ def table(key: tuple, by_hw: dict) -> str:
     return "\n".join(lines)
 
 
-SHORT = {"ddp": "DDP", "diloco:H16": "DiLoCo H=16"}
 LOCKED = "decent:alternating-exp-ring+int8:H4"
 UNEVEN = "decent:alternating-exp-ring+int8:H2:uneven"
 

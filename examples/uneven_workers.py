@@ -6,9 +6,10 @@ torchrun --standalone --nproc-per-node 4 examples/uneven_workers.py --even      
 The character GPT of ``train_charlm.py``, with ``local_steps=2, uneven=True``: a round leaves
 every 2 steps or more and each worker mixes it in when it has arrived, taking local steps until
 then (a period lasts the slowest worker's 2 steps, so the fast ones take 4 at half its speed:
-pick half the ``local_steps`` you would on even hardware). The loop ends on the optimizer's budget, the learning rate follows its DDP-equivalent
-progress and evaluation happens at rounds, the points every worker reaches in the same order
-(step counts differ from worker to worker). A slow device is emulated by a sleep per step.
+pick half the ``local_steps`` you would on even hardware). The loop ends on the optimizer's
+budget, the learning rate follows its DDP-equivalent progress and evaluation happens at rounds,
+the points every worker reaches in the same order (step counts differ from worker to worker). A
+slow device is emulated by a sleep per step.
 """
 
 from __future__ import annotations
