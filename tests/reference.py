@@ -243,6 +243,7 @@ def simulate_local(
     local_steps: int,
     outer: dict | None = None,
     mixer: Callable[[Tensor, int], Tensor] | None = None,
+    slow: dict | None = None,
 ) -> Tensor:
     """Gossip every ``local_steps`` steps, the round of period ``k`` mixed at the end of period
     ``k + 1``; with ``outer`` (``lr``, ``momentum``, ``nesterov``) an outer SGD step on the anchors.
@@ -253,11 +254,17 @@ def simulate_local(
     plain ``A = X``, sent as round ``count / local_steps``; or ``D = A - X``, ``B = mu B + D``
     (``B = D`` the first time), ``A -= lr (D + mu B)`` (Nesterov) or ``lr B``, then at once
     ``A = W(count / local_steps) @ A`` and ``X = A`` (no overlap with an outer step).
+
+    ``slow`` (``lr``, ``momentum``, ``nesterov``, ``every``; no ``outer``): every row also keeps
+    slow weights ``S`` (the start) and a momentum ``M``; when the count is a multiple of
+    ``every``, after the update and before ``A = X``: ``D = S - X``, ``M = mu M + D`` (``M = D``
+    the first time), ``S -= lr (D + mu M)`` (Nesterov) or ``lr M``, ``X = S``.
     """
     x = x0.double().clone()
     n = x.shape[0]
     states = [[RefState() for _ in segments] for _ in range(n)]
     anchor, momentum, sent = x.clone(), None, None
+    slow_weights, slow_momentum = x.clone(), None
     for t in range(steps):
         g = grad_fn(x, t)
         if (t + 1) % local_steps == 0 and sent is not None:
@@ -272,6 +279,16 @@ def simulate_local(
                 st.steps += 1
                 new[i, sl] = UPDATES[kind](x[i, sl], g[i, sl], st, **seg.hyper)
         x = new
+        if slow is not None and (t + 1) % slow["every"] == 0:
+            delta, mu = slow_weights - x, slow["momentum"]
+            step = delta
+            if mu:
+                slow_momentum = (
+                    delta.clone() if slow_momentum is None else mu * slow_momentum + delta
+                )
+                step = delta + mu * slow_momentum if slow["nesterov"] else slow_momentum
+            slow_weights = slow_weights - slow["lr"] * step
+            x = slow_weights.clone()
         if (t + 1) % local_steps:
             continue
         if outer is None:

@@ -118,6 +118,15 @@ def test_custom_topology_and_global_averages(topology, options):
     _compare(2, 2, "DecentralizedAdam", topology, options=options)
 
 
+@pytest.mark.parametrize(
+    "outer", [None, decent_optim.LocalOuterSGD(every=4)], ids=["local_steps", "slow_outer"]
+)
+def test_local_steps_and_slow_outer_step_equal_unsharded_replicas(outer):
+    # 9 steps: four rounds of 2 steps and two outer steps, on each shard's slice of the buffers
+    options = dict(local_steps=2, outer=outer)
+    _compare(2, 2, "DecentralizedAdamW", "ring", steps=9, options=options)
+
+
 def _consensus_into_four_shards(rank, world, export):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

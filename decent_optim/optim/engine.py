@@ -37,6 +37,7 @@ from decent_optim.optim.failure import FailureLatch, guarded, guarded_block
 from decent_optim.optim.inputs import AveragedCheck
 from decent_optim.optim.local_steps import OuterSGD
 from decent_optim.optim.options import ParamsT, with_defaults
+from decent_optim.optim.slow_outer import LocalOuterSGD
 from decent_optim.optim.startup import connect
 from decent_optim.optim.state import FlatState
 from decent_optim.rules.base import UpdateRule
@@ -108,10 +109,12 @@ class DecentralizedOptimizer(Budgeted, Optimizer):
         local_steps: gossip every this many steps instead of every step (default 1). The round
             launched at the end of a period of ``local_steps`` steps travels during the whole
             next period and is mixed in at its end; one extra parameter-sized buffer.
-        outer: None (default), ``"diloco"`` or a :class:`~decent_optim.OuterSGD`: at the end of
-            every period, an outer Nesterov-momentum step on the pseudo-gradient (DiLoCo over
-            gossip; one more buffer); its round is waited for at the end of the period, not
-            overlapped. See :doc:`/algorithms` ("Local steps").
+        outer: None (default), a :class:`~decent_optim.LocalOuterSGD` (recommended with
+            ``local_steps``: every ``every`` steps an outer Nesterov step on each rank's own
+            slow weights, with no round of its own, so no waiting; two more buffers), or
+            ``"diloco"``/an :class:`~decent_optim.OuterSGD` (at the end of every period an outer
+            step on the anchors, whose round is waited for; one more buffer). See
+            :doc:`/algorithms` ("Local steps").
         uneven: with ``local_steps``, for workers of uneven speed: a period lasts at least
             ``local_steps`` steps and until the neighbours' round has arrived, and the faster
             workers take more steps meanwhile instead of waiting (end the loop on
@@ -150,7 +153,7 @@ class DecentralizedOptimizer(Budgeted, Optimizer):
         fused: bool | None = None,
         compression: str | None = None,
         local_steps: int = 1,
-        outer: OuterSGD | str | None = None,
+        outer: OuterSGD | LocalOuterSGD | str | None = None,
         uneven: bool = False,
     ) -> None:
         failure = None

@@ -1,8 +1,9 @@
 """Checkpoints of local steps: the anchors and outer momentum, in ``state_dict()["decent_optim"]``.
 
 With ``local_steps > 1`` a rank's state includes what :mod:`~decent_optim.optim.local_steps`
-keeps per bucket besides the parameters: the anchor (what the rank last sent, or its outer
-parameters) and, with outer momentum, the momentum buffer. They are saved per parameter, in
+keeps per bucket besides the parameters (``LocalRounds.SAVED``): the anchor (what the rank last
+sent, or its outer parameters), with outer momentum the momentum buffer, and with
+``LocalOuterSGD`` the slow weights and their momentum. They are saved per parameter, in
 torch.optim's state-dict order, under the :data:`ENTRY` key of the package's entry, so that a
 resume in the middle of a period is exact. Every-step gossip saves nothing here.
 """
@@ -30,10 +31,11 @@ def save(rounds: Rounds, params: list[Tensor]) -> dict[str, Any] | None:
     if not isinstance(rounds, LocalRounds):
         return None
     index = {id(p): i for i, p in enumerate(params)}
-    entry: dict[str, Any] = {"local_steps": rounds.local_steps, "outer": repr(rounds.outer)}
+    entry: dict[str, Any] = {"local_steps": rounds.local_steps, "outer": repr(rounds.setting)}
     if isinstance(rounds, UnevenRounds):  # where the uneven periods stand
         entry["uneven"] = rounds.schedule_state()
-    for key, flats in (("anchor", rounds.anchor), ("outer_momentum", rounds.momentum)):
+    for key, attribute in rounds.SAVED.items():
+        flats = getattr(rounds, attribute)
         if flats is None:
             continue
         entry[key] = {
@@ -47,7 +49,7 @@ def save(rounds: Rounds, params: list[Tensor]) -> dict[str, Any] | None:
 def check(rounds: Rounds, entry: Any) -> None:
     """Raise, before anything changes, if a checkpoint's local steps differ from the optimizer's."""
     local = rounds.local_steps if isinstance(rounds, LocalRounds) else 1
-    outer = repr(rounds.outer) if isinstance(rounds, LocalRounds) else repr(None)
+    outer = repr(rounds.setting) if isinstance(rounds, LocalRounds) else repr(None)
     uneven = isinstance(rounds, UnevenRounds)
     if entry is None:
         return  # every-step gossip, or a torch.optim checkpoint: the anchors restart
@@ -69,7 +71,7 @@ def restore(rounds: Rounds, entry: dict[str, Any] | None, params: list[Tensor]) 
     if isinstance(rounds, UnevenRounds):
         rounds.load_schedule_state(entry["uneven"])
     index = {id(p): i for i, p in enumerate(params)}
-    for key in ("anchor", "outer_momentum"):
+    for key, attribute in rounds.SAVED.items():
         saved = entry.get(key)
         if saved is None:
             continue
@@ -83,7 +85,4 @@ def restore(rounds: Rounds, entry: dict[str, Any] | None, params: list[Tensor]) 
                         f"{tuple(p.shape)} for parameter {index[id(p)]}"
                     )
                 view.copy_(value)
-        if key == "anchor":
-            rounds.anchor = flats
-        else:
-            rounds.momentum = flats
+        setattr(rounds, attribute, flats)

@@ -79,6 +79,10 @@ class OuterSGD:
 class LocalRounds(Rounds):
     """The rounds of the module docstring: one every ``local_steps`` steps, carrying the anchors."""
 
+    #: what a checkpoint keeps besides the parameters: its key -> the attribute (a flat per
+    #: bucket, or None), see :mod:`~decent_optim.optim.local_checkpoint`
+    SAVED = {"anchor": "anchor", "outer_momentum": "momentum"}
+
     def __init__(
         self,
         gossip: Gossiper | LocalGossiper,
@@ -93,6 +97,11 @@ class LocalRounds(Rounds):
         # be loaded between building the optimizer and stepping)
         self.anchor: list[Tensor] | None = None
         self.momentum: list[Tensor] | None = None  # outer momentum, from the first outer step
+
+    @property
+    def setting(self) -> object:
+        """The outer setting a checkpoint records and a resume must match."""
+        return self.outer
 
     @property
     def round(self) -> int:

@@ -1,8 +1,10 @@
 """Which schedule of rounds an optimizer runs, from its keywords; one class per schedule.
 
 * every step (``local_steps=1``): :class:`~decent_optim.optim.rounds.Rounds`;
-* every ``local_steps`` steps, optionally with an outer step (``outer=``):
-  :class:`~decent_optim.optim.local_steps.LocalRounds`;
+* every ``local_steps`` steps, optionally with an outer step on the anchors (``outer="diloco"``
+  or an ``OuterSGD``): :class:`~decent_optim.optim.local_steps.LocalRounds`;
+* the same rounds and an outer step on each rank's own slow weights (``outer=LocalOuterSGD``):
+  :class:`~decent_optim.optim.slow_outer.SlowOuterRounds`;
 * periods of at least ``local_steps`` steps that last until the neighbours' round is in
   (``uneven=True``): :class:`~decent_optim.optim.uneven.UnevenRounds`.
 
@@ -17,6 +19,7 @@ from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, LocalGossiper
 from decent_optim.optim.local_steps import LocalRounds, OuterSGD
 from decent_optim.optim.rounds import Rounds
+from decent_optim.optim.slow_outer import LocalOuterSGD, SlowOuterRounds
 from decent_optim.optim.uneven import UnevenRounds
 
 __all__ = ["EVERY_STEP", "Schedule", "check", "make_rounds"]
@@ -29,7 +32,7 @@ class Schedule:
     """The validated schedule keywords of an optimizer."""
 
     local_steps: int = 1
-    outer: OuterSGD | None = None
+    outer: OuterSGD | LocalOuterSGD | None = None
     uneven: bool = False
 
     def describe(self) -> str:
@@ -59,10 +62,16 @@ def check(
                 f"momentum=..., nesterov=...), got {outer!r}"
             )
         outer = _NAMED[outer]
-    if outer is not None and not isinstance(outer, OuterSGD):
+    if outer is not None and not isinstance(outer, (OuterSGD, LocalOuterSGD)):
         raise TypeError(
-            f"outer must be None, {sorted(_NAMED)} or a decent_optim.OuterSGD, got "
-            f"{type(outer).__name__}"
+            f"outer must be None, {sorted(_NAMED)}, a decent_optim.OuterSGD or a "
+            f"decent_optim.LocalOuterSGD, got {type(outer).__name__}"
+        )
+    if isinstance(outer, LocalOuterSGD) and outer.every % local_steps:
+        raise ValueError(
+            f"LocalOuterSGD(every={outer.every}) must be a multiple of local_steps={local_steps}: "
+            "the outer step is taken at the end of a period; pass every="
+            f"{max(1, round(outer.every / local_steps)) * local_steps}"
         )
     if global_avg_every is not None and global_avg_every % local_steps:
         raise ValueError(
@@ -73,9 +82,14 @@ def check(
     if not isinstance(uneven, bool):
         raise TypeError(f"uneven must be True or False, got {type(uneven).__name__} {uneven!r}")
     if uneven and outer is not None:
+        why = (
+            "LocalOuterSGD's outer step comes every `every` steps, which uneven ranks take at "
+            "their own pace"
+            if isinstance(outer, LocalOuterSGD)
+            else "the outer step's round would make the ranks wait for the slowest"
+        )
         raise ValueError(
-            "uneven=True does not take outer= yet: the outer step's round would make the "
-            "ranks wait for the slowest; pass outer=None with uneven=True"
+            f"uneven=True does not take outer= yet: {why}; pass outer=None with uneven=True"
         )
     if uneven and global_avg_every is not None:
         raise ValueError(
@@ -96,4 +110,6 @@ def make_rounds(
         return UnevenRounds(gossip, flat, schedule.local_steps)
     if schedule.local_steps == 1 and schedule.outer is None:
         return Rounds(gossip, flat, global_avg_every)
+    if isinstance(schedule.outer, LocalOuterSGD):
+        return SlowOuterRounds(gossip, flat, global_avg_every, schedule.local_steps, schedule.outer)
     return LocalRounds(gossip, flat, global_avg_every, schedule.local_steps, schedule.outer)

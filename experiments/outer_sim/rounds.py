@@ -188,3 +188,30 @@ class DelayedOuter:
             bufs,
         )
         self.start = {k: v.clone() for k, v in x.items()}
+
+
+class LocalOuter(Local):
+    r"""``local_steps=H`` with a Nesterov outer step every ``k`` periods on each worker's own
+    parameters (SNOO over gossip): slow weights :math:`\theta_i`, pseudo-gradient
+    :math:`\Delta_i = \theta_i - x_i`, then :math:`x_i \leftarrow \theta_i`. It needs no
+    round of its own: the local steps' rounds keep the workers' :math:`x_i`, and so their
+    :math:`\Delta_i`, close; the outer step is local arithmetic at a period's end, before the
+    anchor of the next round is taken (the package's ``outer=LocalOuterSGD``)."""
+
+    def __init__(self, mixing: Mixing, h: int, k: int, lr: float, momentum: float) -> None:
+        super().__init__(mixing, h)
+        self.k, self.lr, self.momentum = k, lr, momentum
+        self.theta: Params | None = None
+        self.buf: dict[str, torch.Tensor | None] = {}
+
+    def __call__(self, x: Params, c: int) -> None:
+        if self.theta is None:
+            self.theta = {k: v.clone() for k, v in self.anchor.items()}
+        if c % (self.h * self.k) == 0:
+            for k in x:
+                delta = self.theta[k] - x[k]
+                self.theta[k], self.buf[k] = outer_step(
+                    self.theta[k], delta, self.buf.get(k), self.lr, self.momentum
+                )
+                x[k] = self.theta[k].clone()
+        super().__call__(x, c)

@@ -33,10 +33,12 @@ FIELDS = ["seed", "topology", "lws", "method", "steps", "final_loss", "target", 
 
 def parse(spec: str) -> dict:
     kind, *parts = spec.split(":")
-    out = dict(kind=kind, h=1, x=1.0, olr=0.7, om=0.9, mixmom=False, exact=False)
+    out = dict(kind=kind, h=1, k=1, x=1.0, olr=0.7, om=0.9, mixmom=False, exact=False)
     for p in parts:
         if p.startswith("H"):
             out["h"] = int(p[1:])
+        elif p.startswith("K"):
+            out["k"] = int(p[1:])
         elif p.startswith("x"):
             out["x"] = float(p[1:])
         elif p.startswith("olr"):
@@ -66,6 +68,8 @@ def make(m: dict, mixing, n: int):
         return rounds.Snoo(m["h"], m["olr"], m["om"])
     if kind == "blocking":
         return rounds.BlockingOuter(mixing, m["h"], m["olr"], m["om"])
+    if kind == "lnest":
+        return rounds.LocalOuter(mixing, m["h"], m["k"], m["olr"], m["om"])
     if kind == "delayed":
         return rounds.DelayedOuter(mixing, m["h"], m["olr"], m["om"], m["mixmom"])
     raise SystemExit(f"unknown kind {kind!r}")

@@ -1,0 +1,135 @@
+r"""Local steps with an outer Nesterov step that each rank takes on its own slow weights.
+
+``local_steps=H, outer=LocalOuterSGD(lr=eta, momentum=mu, every=K)``: the rounds are those of
+plain local steps (:mod:`~decent_optim.optim.local_steps`: the anchors travel during the whole
+next period and nobody waits), and every ``K`` steps (a multiple of ``H``) rank :math:`i` also
+takes torch.optim.SGD's momentum step on its *slow weights* :math:`\theta_i`, with the
+pseudo-gradient of the last ``K`` steps, before the period's anchor is taken:
+
+.. math::
+    \Delta_i = \theta_i - x_i, \qquad b_i \leftarrow \mu b_i + \Delta_i, \qquad
+    \theta_i \leftarrow \theta_i - \eta (\Delta_i + \mu b_i) \ \text{(Nesterov; else }
+    \eta b_i), \qquad x_i \leftarrow \theta_i .
+
+The outer step needs no round of its own, so it costs no waiting: it is the step-:math:`K`
+Nesterov outer optimizer (SNOO, Kallusky et al. 2025) of each rank's own model, while the
+local steps' rounds keep the models, and so the :math:`\Delta_i`, close. (DiLoCo over gossip,
+``outer=OuterSGD``, instead steps the anchors and waits for their round.) The :math:`\theta_i`
+start as the parameters at the first step. Checkpoints save them and their momentum with the
+anchors (:mod:`~decent_optim.optim.local_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from decent_optim.flat import FlatParams
+from decent_optim.gossip import Gossiper, LocalGossiper
+from decent_optim.optim.local_steps import LocalRounds
+
+__all__ = ["LocalOuterSGD", "SlowOuterRounds"]
+
+
+@dataclass(frozen=True)
+class LocalOuterSGD:
+    """The outer step of ``outer=LocalOuterSGD(...)``: each rank's own, every ``every`` steps.
+
+    The defaults are the measured recommendation for ``local_steps=4`` (docs: "Fewer steps: an
+    outer step on each rank's slow weights"): outer lr 0.5, Nesterov momentum 0.7, every 16
+    steps. ``every`` must be a multiple of ``local_steps``.
+    """
+
+    lr: float = 0.5
+    momentum: float = 0.7
+    every: int = 16
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "momentum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(
+                    f"LocalOuterSGD.{name} must be a number, got {type(value).__name__}"
+                )
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(
+                    f"LocalOuterSGD.{name} must be a finite number >= 0, got {value!r}"
+                )
+        if not self.lr > 0:
+            raise ValueError(f"LocalOuterSGD.lr must be > 0, got {self.lr!r} (0 would never move)")
+        if self.momentum >= 1:
+            raise ValueError(f"LocalOuterSGD.momentum must be < 1, got {self.momentum!r}")
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(
+                f"LocalOuterSGD.every must be an int >= 1 (steps between outer steps), got "
+                f"{self.every!r}"
+            )
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"LocalOuterSGD.nesterov must be a bool, got {self.nesterov!r}")
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("LocalOuterSGD: Nesterov needs a momentum > 0 (or nesterov=False)")
+
+
+class SlowOuterRounds(LocalRounds):
+    """The rounds of plain local steps, and the slow-weight outer step of the module docstring."""
+
+    SAVED = {**LocalRounds.SAVED, "slow": "slow", "slow_momentum": "slow_momentum"}
+
+    def __init__(
+        self,
+        gossip: Gossiper | LocalGossiper,
+        flat: FlatParams,
+        global_avg_every: int | None,
+        local_steps: int,
+        outer: LocalOuterSGD,
+    ) -> None:
+        super().__init__(gossip, flat, global_avg_every, local_steps, None)  # plain rounds
+        self.slow_outer = outer
+        self.slow: list[Tensor] | None = None  # the slow weights, from the first step
+        self.slow_momentum: list[Tensor] | None = None  # from the first outer step
+
+    def take(self) -> None:  # type: ignore[override]
+        """As local steps; at the first step the slow weights start as the parameters."""
+        super().take()
+        if self.slow is None:
+            self.slow = [b.clone() for b in self._flat.buffers]
+
+    def launch(self) -> None:
+        """Count a completed step; every ``every`` steps the outer step; at a period's end send."""
+        if (self.count + 1) % self.slow_outer.every == 0:
+            assert self.slow is not None  # take() ran first
+            with torch.no_grad():
+                self._slow_step()
+        super().launch()
+
+    @property
+    def setting(self) -> LocalOuterSGD:
+        return self.slow_outer
+
+    def reset(self, count: int, in_flight: bool) -> None:
+        """Continue from a checkpoint; slow weights come from it too, else from the parameters."""
+        super().reset(count, in_flight)
+        self.slow = self.slow_momentum = None
+
+    def _slow_step(self) -> None:
+        assert self.slow is not None
+        lr, mu = self.slow_outer.lr, self.slow_outer.momentum
+        bufs: list[Tensor] = []
+        for i, (x, theta) in enumerate(zip(self._flat.buffers, self.slow)):
+            delta = torch.sub(theta, x)
+            step = delta
+            if mu:
+                if self.slow_momentum is None:  # as torch.optim.SGD: it starts as the gradient
+                    buf = delta.clone()
+                else:
+                    buf = self.slow_momentum[i].mul_(mu).add_(delta)
+                bufs.append(buf)
+                step = delta.add_(buf, alpha=mu) if self.slow_outer.nesterov else buf
+            theta.sub_(step, alpha=lr)
+            x.copy_(theta)
+        if mu:
+            self.slow_momentum = bufs
