@@ -34,6 +34,10 @@ Methods (``--methods``):
   and Nesterov momentum 0.9 on the averaged pseudo-gradient (Douillard et al. 2023);
   ``diloco:H<h>:avg``: plain averaging instead (outer lr 1, no momentum: local AdamW with an
   all-reduce average every ``h`` steps) at ``--lr`` x ``--decent-lr-factor``.
+* tuning suffixes: ``:x<f>`` sets a ``decent`` or ``diloco`` method's peak rate to ``--lr`` x
+  f; ``:olr<lr>:om<momentum>`` set DiLoCo's outer rates (or those of ``:slow<every>``, which
+  gives ``decent`` ``outer=LocalOuterSGD(every=every)``: an outer Nesterov step on each rank's
+  slow weights every ``every`` steps, at ``--lr`` x ``--decent-lr-factor`` unless ``:x``).
 
 Uneven or emulated hardware (``_devices.py``): ``--device-ms D`` pads every step, after its
 forward and backward and before any communication, to D ms of emulated device time (DDP's
@@ -90,6 +94,10 @@ def parse_method(method: str) -> dict:
         "outer": False,
         "avg": False,
         "uneven": False,
+        "slow": None,
+        "x": None,
+        "olr": None,
+        "om": None,
     }
     parts = spec.split(":") if spec else []
     if kind in ("decent", "decentdp") and parts:
@@ -104,10 +112,20 @@ def parse_method(method: str) -> dict:
             out["avg"] = True
         elif p == "uneven" and kind == "decent":
             out["uneven"] = True
+        elif p.startswith("slow") and kind == "decent":
+            out["slow"] = int(p[4:])
+        elif p.startswith("x") and kind in ("decent", "diloco"):
+            out["x"] = float(p[1:])
+        elif p.startswith("olr") and kind in ("decent", "diloco"):
+            out["olr"] = float(p[3:])
+        elif p.startswith("om") and kind in ("decent", "diloco"):
+            out["om"] = float(p[2:])
         else:
             raise SystemExit(f"bad method {method!r}: unknown part {p!r}")
     if kind not in ("ddp", "decent", "decentdp", "diloco"):
         raise SystemExit(f"unknown method {method!r}")
+    if (out["olr"] is not None or out["om"] is not None) and not (kind == "diloco" or out["slow"]):
+        raise SystemExit(f"bad method {method!r}: olr/om need diloco or :slow<every>")
     return out
 
 
@@ -160,6 +178,12 @@ def worker(args) -> None:
         import decent_optim as dopt
 
         peak = args.lr if m["outer"] else decent_lr
+        if m["x"] is not None:
+            peak = args.lr * m["x"]
+        outer = "diloco" if m["outer"] else None
+        if m["slow"]:
+            rates = {k: m[o] for k, o in (("lr", "olr"), ("momentum", "om")) if m[o] is not None}
+            outer = dopt.LocalOuterSGD(every=m["slow"], **rates)
         opt = dopt.DecentralizedAdamW(
             groups,
             lr=peak,
@@ -167,7 +191,7 @@ def worker(args) -> None:
             topology=m["topology"],
             compression=m["compression"],
             local_steps=m["H"],
-            outer="diloco" if m["outer"] else None,
+            outer=outer,
             uneven=m["uneven"],
         )
     elif m["kind"] == "diloco":
@@ -177,7 +201,13 @@ def worker(args) -> None:
         # avg: plain averaging (outer lr 1, no momentum) at the gossip methods' rate, the best
         # DiLoCo variant of the convergence study at small H (the published outer step overshoots)
         peak = decent_lr if m["avg"] else args.lr
+        if m["x"] is not None:
+            peak = args.lr * m["x"]
         outer = dict(lr=1.0, momentum=0.0, nesterov=False) if m["avg"] else {}
+        if m["olr"] is not None:
+            outer["lr"] = m["olr"]
+        if m["om"] is not None:
+            outer["momentum"] = m["om"]
         opt = DiLoCo(params, torch.optim.AdamW(groups, lr=peak, betas=betas), m["H"], **outer)
     else:  # decentdp
         from functools import partial

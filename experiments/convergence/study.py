@@ -21,7 +21,9 @@ Method names are ``family:topology[:option...]``: family ``allreduce``, ``adamw`
 topology ``ring``, ``aer`` (alternating-exp-ring, 2 workers per node), ``ope``
 (one-peer-exp), ``complete``; options ``s<k>`` (accum_iter, default min(workers, 8)) and
 ``gavg<k>`` (``global_avg_every=k``), ``int8`` / ``bf16`` (``compression=``: what crosses
-between nodes is compressed), ``h<k>`` (``local_steps=k``), ``outer`` (``outer="diloco"``).
+between nodes is compressed), ``h<k>`` (``local_steps=k``), ``outer`` (``outer="diloco"``),
+``slow<k>`` (``outer=LocalOuterSGD(every=k)``, lr 0.5, momentum 0.7: the outer step on each
+rank's slow weights).
 Family ``diloco`` takes no topology: ``diloco:h<k>`` is DiLoCo with all-reduce
 (``benchmarks/_diloco.py``: per-worker AdamW for k steps, outer SGD lr 0.7, Nesterov 0.9);
 options ``olr<k>``: outer lr k / 100 instead of 0.7 (``diloco:h4:olr30``: 0.3), ``om<k>``: outer
@@ -190,6 +192,11 @@ class Protocol:
         ("charlm", n, "diloco:h4:olr100:om0", factor, seeds)
         for n in (4, 8)
         for factor, seeds in ((None, (1, 2)), (2.0, (0, 1, 2)))
+    ) + tuple(
+        # issue 32: the outer step on each rank's slow weights, at the plain local steps' rate
+        ("charlm", n, method, None, (0, 1, 2))
+        for n in (4, 8)
+        for method in ("adamw:aer:h4:int8:slow16", "adamw:aer:h4:int8:slow32")
     )  # fmt: skip
 
 
@@ -248,6 +255,7 @@ class Method:
     outer: bool = False  # outer="diloco"
     outer_lr: float = 0.7  # DiLoCo's outer SGD rate
     outer_momentum: float = 0.9  # and its Nesterov momentum (0: no momentum)
+    slow_every: int = 0  # outer=LocalOuterSGD(every=slow_every); 0: none
 
     @property
     def label(self) -> str:
@@ -263,6 +271,7 @@ class Method:
         extra += f", {self.compression} gossip" if self.compression else ""
         extra += f", local_steps={self.local_steps}" if self.local_steps > 1 else ""
         extra += ', outer="diloco"' if self.outer else ""
+        extra += f", LocalOuterSGD every {self.slow_every}" if self.slow_every else ""
         if self.optimizer == "adamw":
             b2 = "" if self.beta2 == 0.95 else f" β2={self.beta2:g}"
             return f"DecentralizedAdamW{b2}{extra}"
@@ -295,7 +304,10 @@ def parse_method(name: str, workers: int, beta1: float = 0.9) -> Method:
         )  # fmt: skip
     if family.startswith("adamw"):
         beta2 = 0.95 if family == "adamw" else int(family[5:]) / 100
-        return Method(name, "adamw", topology, beta1, beta2, 1, gavg, compression, h, outer)
+        return Method(
+            name, "adamw", topology, beta1, beta2, 1, gavg, compression, h, outer,
+            slow_every=int(options.get("slow", 0)),
+        )  # fmt: skip
     if family == "accum^s":
         return Method(name, "accumadamw", topology, beta1**s, 0.95**s, s, gavg, compression)
     if family.startswith("accum"):

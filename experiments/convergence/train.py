@@ -211,9 +211,11 @@ def build(task: Task, spec: dict) -> tuple[nn.Module, nn.Module, torch.optim.Opt
         compression=method.compression or None,
     )  # fmt: skip
     if spec["optimizer"] == "adamw":
+        outer: object = "diloco" if method.outer else None
+        if method.slow_every:
+            outer = dopt.LocalOuterSGD(every=method.slow_every)
         opt: torch.optim.Optimizer = dopt.DecentralizedAdamW(
-            groups, **kw, **common, local_steps=method.local_steps,
-            outer="diloco" if method.outer else None,
+            groups, **kw, **common, local_steps=method.local_steps, outer=outer,
         )  # fmt: skip
     elif spec["optimizer"] == "accumadamw":
         opt = dopt.AccumAdamW(groups, accum_iter=spec["accum_iter"], **kw, **common)
