@@ -39,13 +39,13 @@ class LocalOuterSGD:
     """The outer step of ``outer=LocalOuterSGD(...)``: each rank's own, every ``every`` steps.
 
     The defaults are the measured recommendation for ``local_steps=4`` (docs: "Fewer steps: an
-    outer step on each rank's slow weights"): outer lr 0.5, Nesterov momentum 0.7, every 16
+    outer step on each rank's slow weights"): outer lr 0.5, Nesterov momentum 0.7, every 32
     steps. ``every`` must be a multiple of ``local_steps``.
     """
 
     lr: float = 0.5
     momentum: float = 0.7
-    every: int = 16
+    every: int = 32
     nesterov: bool = True
 
     def __post_init__(self) -> None:
