@@ -1,6 +1,8 @@
 """The consensus model: the mean of every rank's parameters, for evaluation and export.
 
-Both are collectives over the optimizer's process group. They first complete the transfers of the
+:class:`ConsensusViews` gives the optimizers ``averaged()``, ``consensus_distance()`` and
+``consensus_state_dict()`` from :func:`averaged` and :func:`distance`. All are collectives over
+the optimizer's process group. They first complete the transfers of the
 round in flight (its sends read the buffers) without mixing it: the next step still mixes it.
 """
 
@@ -13,9 +15,12 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from decent_optim import sharded
+from decent_optim.flat import FlatParams
+from decent_optim.optim.failure import FailureLatch, guarded, guarded_block
 from decent_optim.optim.rounds import Rounds
 
-__all__ = ["averaged", "distance"]
+__all__ = ["ConsensusViews", "averaged", "distance"]
 
 
 @contextlib.contextmanager
@@ -62,3 +67,60 @@ def distance(
     return math.sqrt(
         total(sum(float(torch.sub(v, m).square().sum()) for v, m in zip(values, mean)))
     )
+
+
+class ConsensusViews:
+    """The consensus model's methods of every optimizer (a mixin of the engine, whose rounds,
+    buffers and failure latch they use)."""
+
+    _rounds: Rounds
+    _flat: FlatParams
+    _latch: FailureLatch
+
+    _readopt: Callable[[], None]  # the engine's: take back moved parameters first
+
+    def averaged(
+        self, module: torch.nn.Module | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Within the block, every rank's parameters are the global average; restored on exit.
+
+        A collective: every rank enters it at the same point. The round in flight is waited
+        for (its values are kept to be mixed by the next :meth:`step`), the parameters are
+        replaced by their mean over all ranks and, when ``module`` is given, so are its
+        floating-point buffers (e.g. BatchNorm running statistics). On exit every value is
+        restored bit for bit, so training continues as if the block never ran; :meth:`step`,
+        :meth:`synchronize` and :meth:`load_state_dict` raise inside it, which would undo them.
+
+        Example:
+            >>> with opt.averaged(model):  # doctest: +SKIP
+            ...     val_loss = evaluate(model)
+        """
+        with self._latch.guard():
+            self._readopt()
+        return guarded_block(
+            self._latch,
+            averaged(self._rounds, self._flat.buffers, module, self._flat.publish),
+        )
+
+    @guarded
+    def consensus_distance(self) -> float:
+        r"""This rank's distance to the mean parameters, :math:`\lVert x_i - \bar x \rVert_2`.
+
+        A collective (every rank calls it; each gets its own distance), over every gossiped
+        parameter, in float64; with sharded parameters, the distance of the rank's replica. Uses the current, unmixed values, like the paper's d2c.
+        """
+        self._readopt()
+        params = [p for b in self._flat.buckets for p in b.params]
+        return distance(self._rounds, self._flat.buffers, sharded.replica_sum(params))
+
+    def consensus_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
+        """``module.state_dict()`` of the globally averaged model, for export or deployment.
+
+        A collective; every rank gets the same copy (save it from rank 0), of whole tensors
+        (sharded parameters are gathered from their shards: it loads into any sharding and into
+        a plain model). The rank's own
+        values are untouched. Example: ``sd = opt.consensus_state_dict(model)``, then on rank 0
+        ``torch.save(sd, "model.pt")``.
+        """
+        with self.averaged(module):
+            return {k: sharded.full(v).detach().clone() for k, v in module.state_dict().items()}

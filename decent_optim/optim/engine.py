@@ -8,16 +8,13 @@ the rounds (:mod:`~decent_optim.optim.rounds`), the state in flat buffers
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
 from torch.optim import Optimizer
 
-from decent_optim import sharded
 from decent_optim._validation import (
     check_decentralized,
     check_global_avg_every,
@@ -25,28 +22,27 @@ from decent_optim._validation import (
     check_unsupported,
 )
 from decent_optim.optim import (
-    checkpoint,
-    consensus,
     frameworks,
-    local_checkpoint,
     schedules,
     stepping,
 )
 from decent_optim.optim.budget import Budgeted
-from decent_optim.optim.failure import FailureLatch, guarded, guarded_block
+from decent_optim.optim.consensus import ConsensusViews
+from decent_optim.optim.failure import FailureLatch, guarded
 from decent_optim.optim.inputs import AveragedCheck
 from decent_optim.optim.local_steps import OuterSGD
 from decent_optim.optim.options import ParamsT, with_defaults
 from decent_optim.optim.slow_outer import LocalOuterSGD
 from decent_optim.optim.startup import connect
 from decent_optim.optim.state import FlatState
+from decent_optim.optim.state_dicts import StateDicts
 from decent_optim.rules.base import UpdateRule
 from decent_optim.topologies import Topology
 
 __all__ = ["DecentralizedOptimizer"]
 
 
-class DecentralizedOptimizer(Budgeted, Optimizer):
+class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
     r"""Base class: a torch optimizer whose parameters are also gossiped with neighbours.
 
     Each :meth:`step` does, on rank :math:`i` at round :math:`t` (``t`` = completed steps):
@@ -255,52 +251,6 @@ class DecentralizedOptimizer(Budgeted, Optimizer):
         self._rounds.synchronize()
         self._flat.publish()
 
-    def averaged(
-        self, module: torch.nn.Module | None = None
-    ) -> contextlib.AbstractContextManager[None]:
-        """Within the block, every rank's parameters are the global average; restored on exit.
-
-        A collective: every rank enters it at the same point. The round in flight is waited
-        for (its values are kept to be mixed by the next :meth:`step`), the parameters are
-        replaced by their mean over all ranks and, when ``module`` is given, so are its
-        floating-point buffers (e.g. BatchNorm running statistics). On exit every value is
-        restored bit for bit, so training continues as if the block never ran; :meth:`step`,
-        :meth:`synchronize` and :meth:`load_state_dict` raise inside it, which would undo them.
-
-        Example:
-            >>> with opt.averaged(model):  # doctest: +SKIP
-            ...     val_loss = evaluate(model)
-        """
-        with self._latch.guard():
-            self._readopt()
-        return guarded_block(
-            self._latch,
-            consensus.averaged(self._rounds, self._flat.buffers, module, self._flat.publish),
-        )
-
-    @guarded
-    def consensus_distance(self) -> float:
-        r"""This rank's distance to the mean parameters, :math:`\lVert x_i - \bar x \rVert_2`.
-
-        A collective (every rank calls it; each gets its own distance), over every gossiped
-        parameter, in float64; with sharded parameters, the distance of the rank's replica. Uses the current, unmixed values, like the paper's d2c.
-        """
-        self._readopt()
-        params = [p for b in self._flat.buckets for p in b.params]
-        return consensus.distance(self._rounds, self._flat.buffers, sharded.replica_sum(params))
-
-    def consensus_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
-        """``module.state_dict()`` of the globally averaged model, for export or deployment.
-
-        A collective; every rank gets the same copy (save it from rank 0), of whole tensors
-        (sharded parameters are gathered from their shards: it loads into any sharding and into
-        a plain model). The rank's own
-        values are untouched. Example: ``sd = opt.consensus_state_dict(model)``, then on rank 0
-        ``torch.save(sd, "model.pt")``.
-        """
-        with self.averaged(module):
-            return {k: sharded.full(v).detach().clone() for k, v in module.state_dict().items()}
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_building", False):
             raise RuntimeError(
@@ -309,42 +259,6 @@ class DecentralizedOptimizer(Budgeted, Optimizer):
                 "constructor (a group with lr=0 can wait for its turn)"
             )
         super().add_param_group(param_group)
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch.optim's format plus a ``"decent_optim"`` entry: the round counter, whether a
-        round is in flight, and what the file belongs to (world size, rank, topology, a
-        fingerprint of the parameters); see :mod:`decent_optim.optim.checkpoint`.
-
-        Does not wait for the round in flight: the first :meth:`step` after
-        :meth:`load_state_dict` runs it again.
-        """
-        packed = checkpoint.save(self)
-        entry = local_checkpoint.save(self._rounds, self._params_in_order())
-        if entry is not None:  # the anchors of local steps (mid-period resumes are exact)
-            packed[checkpoint.KEY][local_checkpoint.ENTRY] = entry
-        return packed
-
-    @guarded
-    def load_state_dict(self, state_dict: dict[str, Any], *, another_replica: bool = False) -> None:
-        """Load torch.optim-format state; the round counter comes from the ``decent_optim`` entry.
-
-        A collective: every rank loads its own file at the same point, and a file of another
-        rank (replica), world size, topology or step raises the same error on every rank before
-        anything changes; ``another_replica=True`` loads another rank's on purpose (e.g. every
-        rank from one copy; see :mod:`~decent_optim.optim.ownership`). Without the entry (a
-        torch.optim checkpoint) the counter is the largest per-parameter ``step``, or 0.
-        Resuming works in both orders (model weights loaded before or after building the
-        optimizer; see :class:`~decent_optim.optim.startup.Stash`).
-        """
-        extra = state_dict.get(checkpoint.KEY)
-        entry = extra.get(local_checkpoint.ENTRY) if isinstance(extra, dict) else None
-        local_checkpoint.check(self._rounds, entry)
-        checkpoint.load(self, state_dict, another_replica=another_replica)
-        local_checkpoint.restore(self._rounds, entry, self._params_in_order())
-
-    def _params_in_order(self) -> list[Tensor]:
-        """The parameters in torch.optim's state-dict order."""
-        return [p for group in self.param_groups for p in group["params"]]
 
     def _readopt(self) -> None:
         """Take back parameters moved with ``.to()`` or given new ``.data`` (see :mod:`~decent_optim.flat`)."""
