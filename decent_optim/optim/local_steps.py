@@ -45,7 +45,7 @@ from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
 from decent_optim.optim.rounds import Rounds
 
-__all__ = ["OuterSGD", "LocalRounds"]
+__all__ = ["OuterSGD", "LocalRounds", "check_outer_rates", "sgd_outer_step"]
 
 
 @dataclass(frozen=True)
@@ -62,18 +62,38 @@ class OuterSGD:
     nesterov: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("lr", "momentum"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"OuterSGD.{name} must be a number, got {type(value).__name__}")
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"OuterSGD.{name} must be a finite number >= 0, got {value!r}")
-        if not self.lr > 0:
-            raise ValueError(f"OuterSGD.lr must be > 0, got {self.lr!r} (0 would never move)")
-        if not isinstance(self.nesterov, bool):
-            raise TypeError(f"OuterSGD.nesterov must be a bool, got {self.nesterov!r}")
-        if self.nesterov and self.momentum == 0:
-            raise ValueError("OuterSGD: Nesterov needs a momentum > 0 (or pass nesterov=False)")
+        check_outer_rates("OuterSGD", self.lr, self.momentum, self.nesterov)
+
+
+def check_outer_rates(owner: str, lr: object, momentum: object, nesterov: object) -> None:
+    """The checks every outer-step setting shares, with errors naming ``owner``."""
+    for name, value in (("lr", lr), ("momentum", momentum)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{owner}.{name} must be a number, got {type(value).__name__}")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{owner}.{name} must be a finite number >= 0, got {value!r}")
+    if not lr > 0:  # type: ignore[operator]
+        raise ValueError(f"{owner}.lr must be > 0, got {lr!r} (0 would never move)")
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"{owner}.nesterov must be a bool, got {nesterov!r}")
+    if nesterov and momentum == 0:
+        raise ValueError(f"{owner}: Nesterov needs a momentum > 0 (or pass nesterov=False)")
+
+
+def sgd_outer_step(
+    theta: Tensor, x: Tensor, buf: Tensor | None, lr: float, momentum: float, nesterov: bool
+) -> Tensor | None:
+    """torch.optim.SGD's step on ``theta`` with the pseudo-gradient ``theta - x``, then
+    ``x = theta``. Returns the momentum buffer (None without momentum)."""
+    delta = torch.sub(theta, x)
+    step = delta
+    if momentum:
+        # as torch.optim.SGD: the buffer starts as the first gradient
+        buf = delta.clone() if buf is None else buf.mul_(momentum).add_(delta)
+        step = delta.add_(buf, alpha=momentum) if nesterov else buf
+    theta.sub_(step, alpha=lr)
+    x.copy_(theta)
+    return buf
 
 
 class LocalRounds(Rounds):
@@ -197,19 +217,10 @@ class LocalRounds(Rounds):
                 x.add_(a)
 
     def _outer_step(self, x: Tensor, a: Tensor, buf: Tensor | None) -> Tensor | None:
-        """torch.optim.SGD's step on the anchor ``a`` with the pseudo-gradient ``a - x``; then
-        ``x = a``. Returns the momentum buffer (None without momentum)."""
+        """The outer step on the anchor ``a`` (:func:`sgd_outer_step`); returns the buffer."""
         outer = self.outer
         assert outer is not None
-        delta = torch.sub(a, x)
-        step = delta
-        if outer.momentum:
-            # as torch.optim.SGD: the buffer starts as the first gradient
-            buf = delta.clone() if buf is None else buf.mul_(outer.momentum).add_(delta)
-            step = delta.add_(buf, alpha=outer.momentum) if outer.nesterov else buf
-        a.sub_(step, alpha=outer.lr)
-        x.copy_(a)
-        return buf
+        return sgd_outer_step(a, x, buf, outer.lr, outer.momentum, outer.nesterov)
 
     def _start(self) -> GossipHandle | None:
         # the round of period count // H, launched at its start (also when launched again)

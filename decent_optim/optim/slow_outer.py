@@ -21,7 +21,6 @@ anchors (:mod:`~decent_optim.optim.local_checkpoint`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ from torch import Tensor
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, LocalGossiper
-from decent_optim.optim.local_steps import LocalRounds
+from decent_optim.optim.local_steps import LocalRounds, check_outer_rates, sgd_outer_step
 
 __all__ = ["LocalOuterSGD", "SlowOuterRounds"]
 
@@ -49,18 +48,7 @@ class LocalOuterSGD:
     nesterov: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("lr", "momentum"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(
-                    f"LocalOuterSGD.{name} must be a number, got {type(value).__name__}"
-                )
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(
-                    f"LocalOuterSGD.{name} must be a finite number >= 0, got {value!r}"
-                )
-        if not self.lr > 0:
-            raise ValueError(f"LocalOuterSGD.lr must be > 0, got {self.lr!r} (0 would never move)")
+        check_outer_rates("LocalOuterSGD", self.lr, self.momentum, self.nesterov)
         if self.momentum >= 1:
             raise ValueError(f"LocalOuterSGD.momentum must be < 1, got {self.momentum!r}")
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -68,10 +56,6 @@ class LocalOuterSGD:
                 f"LocalOuterSGD.every must be an int >= 1 (steps between outer steps), got "
                 f"{self.every!r}"
             )
-        if not isinstance(self.nesterov, bool):
-            raise TypeError(f"LocalOuterSGD.nesterov must be a bool, got {self.nesterov!r}")
-        if self.nesterov and self.momentum == 0:
-            raise ValueError("LocalOuterSGD: Nesterov needs a momentum > 0 (or nesterov=False)")
 
 
 class SlowOuterRounds(LocalRounds):
@@ -117,19 +101,12 @@ class SlowOuterRounds(LocalRounds):
 
     def _slow_step(self) -> None:
         assert self.slow is not None
-        lr, mu = self.slow_outer.lr, self.slow_outer.momentum
-        bufs: list[Tensor] = []
-        for i, (x, theta) in enumerate(zip(self._flat.buffers, self.slow)):
-            delta = torch.sub(theta, x)
-            step = delta
-            if mu:
-                if self.slow_momentum is None:  # as torch.optim.SGD: it starts as the gradient
-                    buf = delta.clone()
-                else:
-                    buf = self.slow_momentum[i].mul_(mu).add_(delta)
-                bufs.append(buf)
-                step = delta.add_(buf, alpha=mu) if self.slow_outer.nesterov else buf
-            theta.sub_(step, alpha=lr)
-            x.copy_(theta)
-        if mu:
-            self.slow_momentum = bufs
+        outer = self.slow_outer
+        old: list[Tensor | None] = [None] * len(self.slow)
+        if self.slow_momentum is not None:
+            old = list(self.slow_momentum)
+        bufs = [
+            sgd_outer_step(theta, x, buf, outer.lr, outer.momentum, outer.nesterov)
+            for x, theta, buf in zip(self._flat.buffers, self.slow, old)
+        ]
+        self.slow_momentum = [b for b in bufs if b is not None] or None
