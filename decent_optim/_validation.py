@@ -69,7 +69,7 @@ def check_momentum(momentum: object, dampening: object, nesterov: bool) -> None:
 
 
 def check_accum_iter(accum_iter: object) -> None:
-    if isinstance(accum_iter, bool) or not isinstance(accum_iter, int):
+    if isinstance(accum_iter, bool) or not isinstance(accum_iter, numbers.Integral):
         raise TypeError(f"accum_iter must be an int, got {type(accum_iter).__name__}")
     if accum_iter < 1:
         raise ValueError(f"accum_iter must be >= 1, got {accum_iter}")
@@ -95,7 +95,7 @@ def check_decentralized(
         raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
     if local_world_size is not None and (
         isinstance(local_world_size, bool)
-        or not isinstance(local_world_size, int)
+        or not isinstance(local_world_size, numbers.Integral)
         or local_world_size < 1
     ):
         raise ValueError(
@@ -151,5 +151,5 @@ def check_timeout(timeout: object) -> datetime.timedelta | None:
 def check_global_avg_every(every: object) -> None:
     if every is None:
         return
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
         raise ValueError(f"global_avg_every must be a positive int (steps) or None, got {every!r}")

@@ -138,6 +138,7 @@ def _run_even(rank, n, uneven, steps, compression=None):
         compression=compression,
         local_world_size=1,
     )
+    opt.stop_at(10**6)  # uneven=True steps only with a budget; the loop ends first here
     for t in range(steps):
         waiter = getattr(opt._rounds, "_waiter", None)
         if waiter is not None:
@@ -159,6 +160,7 @@ def test_rounds_that_arrive_in_time_give_plain_local_steps_bit_for_bit():
 def _stops_calling(rank, n):
     model = _model()
     opt = _build(model, local_steps=2, timeout=3)
+    opt.stop_at(10**6)
     started = time.monotonic()
     try:
         for t in range(400 if rank == 0 else 3):  # rank 1 stops after 3 steps
@@ -216,7 +218,7 @@ def test_every_step_and_plain_local_steps_count_their_own_steps():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(uneven=1), TypeError, "uneven must be True or False"),
+        (dict(uneven=1), TypeError, "uneven must be True, False or a decent_optim.Uneven"),
         (dict(uneven=True, outer="diloco"), ValueError, "does not take outer="),
         (dict(uneven=True, global_avg_every=4), ValueError, "does not take global_avg_every="),
     ],
@@ -312,6 +314,7 @@ def _resume(rank, n, save_at, steps):
             opt.step()
 
     model, opt = build()
+    opt.stop_at(10**6)  # the loop ends first; a resume sets it again (it is not saved)
     run(model, opt, 0, save_at)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
@@ -323,6 +326,7 @@ def _resume(rank, n, save_at, steps):
     saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
+    opt.stop_at(10**6)
     run(model, opt, save_at, steps)
     return straight, _vector(model), progress, opt.progress
 
@@ -343,6 +347,7 @@ def _checkpoint_then_resize(rank, n, root, stage):
     model = _model()
     opt = _build(model, local_steps=2, timeout=60)
     if stage == "save":
+        opt.stop_at(10**6)
         t = 0
         while opt.round < 3:
             time.sleep(0.01 * rank)

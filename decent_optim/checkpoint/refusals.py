@@ -17,6 +17,7 @@ any rank waits for another.
 from __future__ import annotations
 
 import io
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,7 +32,7 @@ def check_keep_last(keep_last: object) -> None:
     """``keep_last`` is None or a whole number >= 1."""
     if keep_last is None:
         return
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int):
+    if isinstance(keep_last, bool) or not isinstance(keep_last, numbers.Integral):
         raise TypeError(
             f"keep_last must be None (keep every checkpoint) or a whole number >= 1, got "
             f"{keep_last!r} of type {type(keep_last).__name__}; nothing was written or removed"
@@ -46,7 +47,7 @@ def check_keep_last(keep_last: object) -> None:
 
 def check_step(step: object, name: str = "step") -> None:
     """``step`` is a whole number >= 0."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         raise ValueError(f"{name} must be a whole number >= 0, got {step!r}")
 
 

@@ -55,6 +55,9 @@ class Link:
         self._slots: dict[int, list[Tensor]] = {}  # in-neighbour slot -> one buffer per bucket
         self._scratch: dict[object, Tensor] = {}
         self._in_flight = False  # a round holds the receive buffers (started, not yet mixed)
+        #: what a failed wait for a round says usually causes it, in place of the default
+        #: (the schedule of rounds knows best: see Gossiper.hint)
+        self.hint: str | None = None
 
     def receive_buffers(self, slot: int, like: Sequence[Tensor]) -> list[Tensor]:
         """Buffers shaped like ``like`` for in-neighbour number ``slot``, allocated once."""
@@ -114,6 +117,7 @@ class Link:
             rank=self.rank,
             timeout=self.timeout,
             on_close=release,
+            hint=self.hint,
         )
 
 

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -15,8 +16,8 @@ from decent_optim.gossip.allreduce import GroupAllReduce
 from decent_optim.gossip.collectives import identical, wait_bounded
 from decent_optim.gossip.compressed import CompressedGroup
 from decent_optim.gossip.exchange import Exchange, Idle, Link
-from decent_optim.gossip.handle import DONE, GossipError, GossipHandle
-from decent_optim.gossip.nodes import NodeAverage, Parts
+from decent_optim.gossip.handle import DONE, NO_MIX, GossipError, GossipHandle, PendingMix
+from decent_optim.gossip.nodes import NodeAverage, Parts, post
 from decent_optim.gossip.p2p import PointToPoint
 from decent_optim.topologies import Topology
 
@@ -32,6 +33,7 @@ class LocalGossiper:
 
     rank = 0
     world_size = 1
+    hint: str | None = None  # as Gossiper.hint (nothing fails here)
 
     def __init__(self, topology: Topology | None = None) -> None:
         del topology  # accepted so that both gossipers are built alike
@@ -44,7 +46,7 @@ class LocalGossiper:
     def average_(self, tensors: Sequence[Tensor], what: str = "") -> None:
         """The mean over one rank is the tensor itself."""
 
-    def sum_async(self, values: Tensor) -> GossipHandle:
+    def sum_async(self, values: Tensor, what: str = "", hint: str | None = None) -> GossipHandle:
         """The sum over one rank is the tensor itself."""
         return DONE
 
@@ -246,10 +248,21 @@ class Gossiper:
                 set(self.topology.in_peers(self.rank, step))
                 | set(self.topology.out_peers(self.rank, step))
             )
+            why = "a peer has probably died" if self.hint is None else self.hint
             raise GossipError(
                 f"[rank {self.rank}] gossip round {step}: launching it failed, with peer(s) "
-                f"{peers}; a peer has probably died. Cause: {err}"
+                f"{peers}; {why}. Cause: {err}"
             ) from err
+
+    @property
+    def hint(self) -> str | None:
+        """What a failed round says usually causes it (None: the default, for step-locked
+        rounds); the schedule of rounds sets it."""
+        return self._link.hint
+
+    @hint.setter
+    def hint(self, text: str | None) -> None:
+        self._link.hint = text
 
     def average_(self, tensors: Sequence[Tensor], what: str = "the global average") -> None:
         """In place, synchronously: every tensor becomes its mean over the group's ranks
@@ -259,13 +272,40 @@ class Gossiper:
         for t in tensors:
             t.div_(self.world_size)
 
-    def sum_async(self, values: Tensor) -> GossipHandle:
-        """Launch the sum of ``values`` over the group's ranks, in place, without waiting: a
-        collective (every rank launches its sums in the same order); the handle's
-        :meth:`~GossipHandle.ready` and :meth:`~GossipHandle.wait` (at most the timeout)."""
-        work = dist.all_reduce(values, group=self.group, async_op=True)
+    def sum_async(
+        self, values: Tensor, what: str = "the step count", hint: str | None = None
+    ) -> GossipHandle:
+        """Launch the sum of ``values`` (a small tensor) over the group's ranks, without waiting.
+
+        Point to point: every rank sends its values to every other, on a tag of its own, so
+        that the sum never matches a collective of the group (a barrier of the user's, an
+        evaluation's average) whatever order the ranks reach those in. Every rank launches its
+        sums in the same order. After the handle's :meth:`~GossipHandle.wait` (at most the
+        timeout; ``what`` and ``hint`` for its error) and :meth:`~GossipHandle.mix_`, ``values``
+        holds the sum, the same bits on every rank (added in rank order).
+        """
+        others = [r for r in range(self.world_size) if r != self.rank]
+        received = {r: torch.empty_like(values) for r in others}
+        tag = self._link.first_tag + TAGS_PER_SLOT - 1  # above every bucket's tag
+        own = values.clone()  # sent, and added in its place in the order
+        works = post(
+            self._link, [(received[r], r, tag) for r in others], [(own, r, tag) for r in others]
+        )
+
+        def finish(defer_addend: bool) -> list[PendingMix]:
+            values.zero_()
+            for r in range(self.world_size):
+                values.add_(own if r == self.rank else received[r])
+            return [NO_MIX]
+
         return GossipHandle(
-            [(work, None)], None, rank=self.rank, timeout=self.timeout, what="the step count"
+            works,
+            finish,
+            buffers=[values],
+            rank=self.rank,
+            timeout=self.timeout,
+            what=what,
+            hint=hint,
         )
 
     def identical(self, values: Tensor, what: str = "a check") -> Callable[[], bool]:

@@ -19,6 +19,8 @@ rank's step count.
 
 from __future__ import annotations
 
+import numbers
+
 from decent_optim.optim.rounds import Rounds
 
 __all__ = ["Budgeted"]
@@ -40,9 +42,9 @@ class Budgeted:
         With ``uneven=True`` it turns true at the first round whose summed steps reach the
         budget, at the same round on every rank; :meth:`step` afterwards raises.
         """
-        if isinstance(steps, bool) or not isinstance(steps, (int, float)) or not steps > 0:
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Real) or not steps > 0:
             raise ValueError(f"stop_at needs a number of steps > 0, got {steps!r}")
-        self._rounds.stop_at(steps)
+        self._rounds.stop_at(float(steps))
 
     @property
     def round(self) -> int:

@@ -34,6 +34,7 @@ def averaged(
 
     ``publish`` copies the buffers where the model reads them (sharded parameters)."""
     rounds.check_free("opt.averaged()")
+    rounds.check_round("opt.averaged()")
     rounds.wait()
     tensors = list(buffers)
     if module is not None:
@@ -60,6 +61,7 @@ def distance(
     """This rank's 2-norm distance to the mean of ``buffers`` over the ranks, in float64.
 
     ``total`` sums the squared distance over the ranks holding one model together (shards)."""
+    rounds.check_round("opt.consensus_distance()")
     rounds.wait()
     values = [b.double() for b in buffers]  # float64 copies: an exact-ish mean
     mean = [v.clone() for v in values]

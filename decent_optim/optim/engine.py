@@ -113,8 +113,10 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
             :doc:`/algorithms` ("Local steps").
         uneven: with ``local_steps``, for workers of uneven speed: a period lasts at least
             ``local_steps`` steps and until the neighbours' round has arrived, and the faster
-            workers take more steps meanwhile instead of waiting (end the loop on
-            :attr:`stopped` after :meth:`stop_at`; see :doc:`/uneven_hardware`).
+            workers take more steps meanwhile instead of waiting, at most ``cap`` times
+            ``local_steps`` (``True`` is ``decent_optim.Uneven(cap=4)``). Call :meth:`stop_at`
+            before the first step and end the loop on :attr:`stopped` (a loop of
+            ``for step in range(N)`` is refused at its first step); see :doc:`/uneven_hardware`.
     """
 
     #: the algorithm: its state, its update
@@ -150,7 +152,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
         compression: str | None = None,
         local_steps: int = 1,
         outer: OuterSGD | LocalOuterSGD | str | None = None,
-        uneven: bool = False,
+        uneven: bool | schedules.Uneven = False,
     ) -> None:
         failure = None
         period = schedules.EVERY_STEP
@@ -184,7 +186,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
             global_avg_every=global_avg_every,
             compression=compression,
             local_steps=period.describe(),
-            by_node=not period.uneven,
+            by_node=period.uneven is None,
         )
         self.topology, self._member = start.topology, start.member
         self._where = (start.group, start.device)  # of load_state_dict's cross-check

@@ -36,6 +36,7 @@ but the ordinary :class:`~decent_optim.optim.rounds.Rounds` (every-step gossip, 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -63,12 +64,15 @@ class OuterSGD:
 
     def __post_init__(self) -> None:
         check_outer_rates("OuterSGD", self.lr, self.momentum, self.nesterov)
+        # plain numbers (numpy's too), so that the setting a checkpoint records reads alike
+        object.__setattr__(self, "lr", float(self.lr))
+        object.__setattr__(self, "momentum", float(self.momentum))
 
 
 def check_outer_rates(owner: str, lr: object, momentum: object, nesterov: object) -> None:
     """The checks every outer-step setting shares, with errors naming ``owner``."""
     for name, value in (("lr", lr), ("momentum", momentum)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{owner}.{name} must be a number, got {type(value).__name__}")
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{owner}.{name} must be a finite number >= 0, got {value!r}")

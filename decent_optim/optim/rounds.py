@@ -121,6 +121,12 @@ class Rounds:
             self._flat.readopt(owner, changed)
             self.record_versions()  # the versions of the memory taken back
 
+    def check_round(self, what: str) -> None:
+        """Raise on every rank if they call the collective ``what`` at different rounds; here
+        every rank steps once per round, so a collective at the same step is at the same
+        round, and there is nothing to check (:class:`~decent_optim.optim.uneven.UnevenRounds`
+        checks)."""
+
     def check_free(self, what: str) -> None:
         """Raise if ``what`` would be undone by the block holding the buffers."""
         if self.held_by is not None:

@@ -13,6 +13,7 @@ The keywords are checked here, before anything is built, with an error that says
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from decent_optim.flat import FlatParams
@@ -22,9 +23,32 @@ from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.slow_outer import LocalOuterSGD, SlowOuterRounds
 from decent_optim.optim.uneven import UnevenRounds
 
-__all__ = ["EVERY_STEP", "Schedule", "check", "make_rounds"]
+__all__ = ["EVERY_STEP", "Schedule", "Uneven", "check", "make_rounds"]
 
 _NAMED = {"diloco": OuterSGD(0.7, 0.9, True)}
+
+
+@dataclass(frozen=True)
+class Uneven:
+    """The setting of ``uneven=``: ``uneven=True`` is ``Uneven()``.
+
+    ``cap``: a rank takes at most ``cap * local_steps`` steps between launching a round and
+    mixing it; at the last of them it waits for the round (None: never waits). It bounds how
+    far the fastest rank drifts from its neighbours within a period when the speeds differ by
+    more than ``cap`` times: the cluster then runs at ``cap`` times its slowest rank's pace.
+    """
+
+    cap: float | None = 4
+
+    def __post_init__(self) -> None:
+        cap = self.cap
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap >= 1:
+                raise ValueError(
+                    f"Uneven.cap must be a number >= 1 (periods of at most cap * local_steps "
+                    f"steps) or None (no cap), got {cap!r}"
+                )
+            object.__setattr__(self, "cap", float(cap))
 
 
 @dataclass(frozen=True)
@@ -33,12 +57,12 @@ class Schedule:
 
     local_steps: int = 1
     outer: OuterSGD | LocalOuterSGD | None = None
-    uneven: bool = False
+    uneven: Uneven | None = None
 
     def describe(self) -> str:
         """The setting the ranks must agree on, as a string."""
         text = f"{self.local_steps}, outer {self.outer!r}"
-        return f"{text}, uneven" if self.uneven else text
+        return f"{text}, {self.uneven!r}" if self.uneven else text
 
 
 EVERY_STEP = Schedule()
@@ -48,11 +72,12 @@ def check(
     local_steps: object, outer: object, global_avg_every: int | None, uneven: object = False
 ) -> Schedule:
     """The validated schedule; a clear error for anything else."""
-    if isinstance(local_steps, bool) or not isinstance(local_steps, int):
+    if isinstance(local_steps, bool) or not isinstance(local_steps, numbers.Integral):
         raise TypeError(
             f"local_steps must be an int (gossip every this many steps), got "
             f"{type(local_steps).__name__} {local_steps!r}"
         )
+    local_steps = int(local_steps)
     if local_steps < 1:
         raise ValueError(f"local_steps must be >= 1 (1: gossip every step), got {local_steps}")
     if isinstance(outer, str):
@@ -79,8 +104,12 @@ def check(
             f"{local_steps}: the global average replaces one of the rounds, which are launched "
             "every local_steps steps"
         )
-    if not isinstance(uneven, bool):
-        raise TypeError(f"uneven must be True or False, got {type(uneven).__name__} {uneven!r}")
+    if not isinstance(uneven, (bool, Uneven)):
+        raise TypeError(
+            f"uneven must be True, False or a decent_optim.Uneven(cap=...), got "
+            f"{type(uneven).__name__} {uneven!r}"
+        )
+    setting = Uneven() if uneven is True else uneven or None
     if uneven and outer is not None:
         why = (
             "LocalOuterSGD's outer step comes every `every` steps, which uneven ranks take at "
@@ -96,7 +125,7 @@ def check(
             "uneven=True does not take global_avg_every=: a global average makes every rank "
             "wait for the slowest, which uneven=True exists to avoid; pass global_avg_every=None"
         )
-    return Schedule(local_steps, outer, uneven)
+    return Schedule(local_steps, outer, setting)
 
 
 def make_rounds(
@@ -106,8 +135,8 @@ def make_rounds(
     schedule: Schedule,
 ) -> Rounds:
     """The rounds of an optimizer with ``schedule`` (module docstring)."""
-    if schedule.uneven:
-        return UnevenRounds(gossip, flat, schedule.local_steps)
+    if schedule.uneven is not None:
+        return UnevenRounds(gossip, flat, schedule.local_steps, schedule.uneven.cap)
     if schedule.local_steps == 1 and schedule.outer is None:
         return Rounds(gossip, flat, global_avg_every)
     if isinstance(schedule.outer, LocalOuterSGD):

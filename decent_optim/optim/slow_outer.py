@@ -21,6 +21,7 @@ anchors (:mod:`~decent_optim.optim.local_checkpoint`).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -51,11 +52,16 @@ class LocalOuterSGD:
         check_outer_rates("LocalOuterSGD", self.lr, self.momentum, self.nesterov)
         if self.momentum >= 1:
             raise ValueError(f"LocalOuterSGD.momentum must be < 1, got {self.momentum!r}")
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+        every = self.every
+        if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
             raise ValueError(
                 f"LocalOuterSGD.every must be an int >= 1 (steps between outer steps), got "
                 f"{self.every!r}"
             )
+        # plain numbers (numpy's too), so that the setting a checkpoint records reads alike
+        object.__setattr__(self, "every", int(every))
+        object.__setattr__(self, "lr", float(self.lr))
+        object.__setattr__(self, "momentum", float(self.momentum))
 
 
 class SlowOuterRounds(LocalRounds):

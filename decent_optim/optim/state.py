@@ -14,6 +14,7 @@ naming the parameter and the key. New state starts at zero.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -278,7 +279,7 @@ def _step_count(value: Any, p: Tensor) -> float:
     """A loaded or hand-set ``step`` as the number of steps it counts; raises if it is not one."""
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
         count = float(value)
         if math.isfinite(count) and count >= 0 and count == int(count):
             return count

@@ -32,10 +32,22 @@ after the step that mixes the first round with :math:`S_k / n + H` at the budget
 (every rank has then taken at least :math:`H` steps since it launched round :math:`k`), so none
 waits for a round that no one will send; a run ends at most a period past its budget.
 
+**A cap on drift.** With ``uneven=Uneven(cap=c)`` a rank takes at most :math:`cH` steps
+after launching a round; at the :math:`cH`-th it waits for the round. A rank many times faster
+than its slowest neighbour would otherwise drift through as many steps of its own per period.
+
 **Asking without waiting.** A background thread waits for each round's transfers (gloo's
 point-to-point works say they are complete only once waited for), and the step asks whether it
 is done. That wait is bounded by the optimizer's ``timeout``, so a neighbour that died or stopped
-calling ``step()`` raises :class:`~decent_optim.gossip.GossipError` at the next step.
+calling ``step()`` raises :class:`~decent_optim.gossip.GossipError` at the next step. The sums
+of the step counts travel point to point (never as a collective of the group), so a collective
+that some rank calls at another round than the others cannot be matched with them: the
+package's own collectives compare :attr:`UnevenRounds.round` first (:meth:`check_round`) and
+raise on every rank when the ranks are at different rounds.
+
+**The loop.** Ranks take different numbers of steps, so a loop of ``for step in range(N)``
+would leave the ranks that end first silent while the others wait for their rounds. So
+:meth:`take` refuses to step before :meth:`stop_at`, with the loop to write instead.
 """
 
 from __future__ import annotations
@@ -46,18 +58,42 @@ import torch
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
+from decent_optim.gossip.collectives import comm_device
+from decent_optim.optim.agreement import Account, agree
 from decent_optim.optim.local_steps import LocalRounds
 
-__all__ = ["UnevenRounds"]
+__all__ = ["HINT", "LOOP", "UnevenRounds"]
+
+#: the loop uneven ranks need, for the errors that send users to it
+LOOP = (
+    "opt.stop_at(total_steps) before the loop, then `while not opt.stopped: ... opt.step()`, "
+    "with collectives (opt.averaged(), checkpoints) at rounds: `if opt.round % k == 0 and "
+    "opt.round != last:` (see docs/uneven_hardware)"
+)
+
+#: what usually stops a neighbour's rounds in this mode (GossipError's hint)
+HINT = (
+    "With uneven=True a peer also stops sending rounds when it left its training loop before "
+    "opt.stopped turned true (a `for step in range(N)` loop: ranks take different numbers of "
+    "steps, an early `break`), stopped at another budget, or waits in a collective that it "
+    "called at another round. Every rank needs the same loop: " + LOOP
+)
 
 
 class UnevenRounds(LocalRounds):
     """The rounds of the module docstring."""
 
     def __init__(
-        self, gossip: Gossiper | LocalGossiper, flat: FlatParams, local_steps: int
+        self,
+        gossip: Gossiper | LocalGossiper,
+        flat: FlatParams,
+        local_steps: int,
+        cap: float | None = None,
     ) -> None:
         super().__init__(gossip, flat, None, local_steps, None)
+        #: the most steps between launching a round and mixing it (None: no cap)
+        self.longest = None if cap is None else max(local_steps, int(cap * local_steps))
+        gossip.hint = HINT
         self.launched = 0  # rounds launched; round k is launched k-th
         self.mixed = 0  # rounds mixed
         self.since = 0  # steps since the last launch (since the start before the first)
@@ -92,13 +128,35 @@ class UnevenRounds(LocalRounds):
         return self._stopped
 
     def stop_at(self, steps: float) -> None:
-        """Stop at the first mixed round whose DDP-equivalent progress reaches ``steps``."""
+        """Stop at the first mixed round whose DDP-equivalent progress reaches ``steps``; after
+        a stop, a larger budget goes on (every rank must call it alike)."""
         self.budget = float(steps)
+        self._stopped = False
         self._check_budget()
+
+    def check_round(self, what: str) -> None:
+        """Raise the same error on every rank if they call the collective ``what`` at
+        different rounds (a small all-gather first; nothing in a world of one)."""
+        group = getattr(self.gossip, "group", None)
+        if group is None:
+            return
+        account = Account(settings=[("the round", f"opt.round {self.round}")])
+        hint = (
+            "With uneven=True ranks reach the same step count at different rounds, so "
+            f"collectives go at rounds, not at step counts (`t % k == 0`): {LOOP}"
+        )
+        timeout = getattr(self.gossip, "timeout", None)
+        agree(account, group, comm_device(group), what, hints={"the round": hint}, timeout=timeout)
 
     def take(self) -> None:  # type: ignore[override]
         """Before a step's update: mix the round in flight if it has arrived (no waiting)."""
         self.check_free("step()")
+        if self.budget is None:
+            raise RuntimeError(
+                "step() with uneven=True before opt.stop_at(...): the ranks take different "
+                "numbers of steps, so a loop of `for step in range(N)` would end on some ranks "
+                f"while the others wait for their rounds. Write {LOOP}"
+            )
         if self._stopped:
             raise RuntimeError(
                 f"step() after the budget of {self.budget:g} steps was reached (at round "
@@ -115,7 +173,8 @@ class UnevenRounds(LocalRounds):
             return None
         # a round resent at a resume is waited for where it was due: every rank resent it
         # together, and the resumed run then mixes where the saved one would have
-        if resent or self._waiter is None or self._waiter.done.is_set():
+        capped = self.longest is not None and self.since >= self.longest - 1
+        if resent or capped or self._waiter is None or self._waiter.done.is_set():
             self._settle()
         return None
 
@@ -184,7 +243,8 @@ class UnevenRounds(LocalRounds):
         (``count``: this rank's steps when it launched the round)."""
         self._pending = self._start()
         values = torch.tensor([float(count)], dtype=torch.float64)
-        self._sum = (self.gossip.sum_async(values), values, count)
+        what = f"the step counts of round {self.launched}"
+        self._sum = (self.gossip.sum_async(values, what, HINT), values, count)
         self._out = True
         handles = [h for h in (self._pending, self._sum[0]) if h is not None and not h.is_noop]
         self._waiter = _Waiter(handles) if handles else None
@@ -201,7 +261,7 @@ class UnevenRounds(LocalRounds):
         self.mixed += 1
         if self._sum is not None:
             handle, values, count = self._sum
-            handle.wait()
+            handle.wait_and_mix_()
             self.total, self.count_at_launch = float(values.item()), count
             self._sum = None
         self._check_budget()

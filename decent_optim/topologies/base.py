@@ -7,6 +7,8 @@ topology answers the same questions the same way. Pure Python and torch, no comm
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 __all__ = ["Groups", "Topology", "check_size", "is_power_of_two", "second_singular_value"]
@@ -20,11 +22,11 @@ def is_power_of_two(n: int) -> bool:
 
 
 def check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
+    return int(value)
 
 
 class Topology:
