@@ -29,8 +29,8 @@ momentum with the anchors (:mod:`~decent_optim.optim.local_checkpoint`), and a r
 another world size averages them as every other state.
 """
 
-from __future__ import annotations
-
+# annotations evaluated (no `from __future__ import annotations`): the docs then link `outer`'s
+# type to its class; as the bare name "LocalOuterSGD" it would match two documented targets
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, LocalGossiper
 from decent_optim.optim.slow_outer import LocalOuterSGD, SlowWeights
