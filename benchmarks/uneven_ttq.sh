@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Time to quality on emulated uneven devices (issue 31): every step padded to DEVICE_MS of device
-# time; "even", "half" (the last rank at half speed) and "jitter" (each step's time drawn with a
+# time; "even", "half" (the last rank at half speed), "quarter" (at a quarter) and "jitter" (each step's time drawn with a
 # 30% coefficient of variation), for each link rate, seed and cluster shape given.
 #   benchmarks/uneven_ttq.sh                      # 2 nodes x 2, 100mbit, seed 0, even half jitter
 #   SHAPE=4x1 RATES="1gbit 100mbit" SEEDS="0 1" HARDWARE="even half" benchmarks/uneven_ttq.sh
@@ -16,12 +16,14 @@ device_ms=${DEVICE_MS:-80}
 steps=${STEPS:-600}
 methods=${METHODS:-"ddp diloco:H16 decent:alternating-exp-ring+int8:H4 decent:alternating-exp-ring+int8:H2:uneven"}
 half=$(python3 -c "print(','.join(['1'] * ($world - 1) + ['0.5']))")
+quarter=$(python3 -c "print(','.join(['1'] * ($world - 1) + ['0.25']))")
 for rate in ${RATES:-100mbit}; do
   for seed in ${SEEDS:-0}; do
     for hardware in ${HARDWARE:-even half jitter}; do
       case $hardware in
         even) devices="--device-ms $device_ms" ;;
         half) devices="--device-ms $device_ms --speeds $half" ;;
+        quarter) devices="--device-ms $device_ms --speeds $quarter" ;;
         jitter) devices="--device-ms $device_ms --jitter-cv 0.3" ;;
         *) echo "unknown hardware $hardware" >&2; exit 2 ;;
       esac

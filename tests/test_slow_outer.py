@@ -224,14 +224,11 @@ def test_bad_settings_say_what_to_do(kwargs, error, match):
         dopt.LocalOuterSGD(**kwargs)
 
 
-def test_every_must_be_a_multiple_of_local_steps_and_uneven_is_refused():
+def test_every_must_be_a_multiple_of_local_steps():
+    # (not with uneven=True: tests/test_uneven_outer.py)
     with pytest.raises(ValueError, match="multiple of local_steps=3.*pass every=15"):
         dopt.DecentralizedAdamW(
             _model().parameters(), local_steps=3, outer=dopt.LocalOuterSGD(every=16)
-        )
-    with pytest.raises(ValueError, match="uneven=True does not take outer=.*own pace"):
-        dopt.DecentralizedAdamW(
-            _model().parameters(), local_steps=2, uneven=True, outer=dopt.LocalOuterSGD()
         )
 
 

@@ -110,13 +110,17 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
             slow weights, with no round of its own, so no waiting; two more buffers), or
             ``"diloco"``/an :class:`~decent_optim.OuterSGD` (at the end of every period an outer
             step on the anchors, whose round is waited for; one more buffer). See
-            :doc:`/algorithms` ("Local steps").
+            :doc:`/algorithms` ("Local steps"). With ``uneven=True`` only a
+            :class:`~decent_optim.LocalOuterSGD`, its ``every`` then counting DDP-equivalent
+            steps (any ``every``, not only multiples of ``local_steps``).
         uneven: with ``local_steps``, for workers of uneven speed: a period lasts at least
             ``local_steps`` steps and until the neighbours' round has arrived, and the faster
             workers take more steps meanwhile instead of waiting, at most ``cap`` times
             ``local_steps`` (``True`` is ``decent_optim.Uneven(cap=4)``). Call :meth:`stop_at`
             before the first step and end the loop on :attr:`stopped` (a loop of
-            ``for step in range(N)`` is refused at its first step); see :doc:`/uneven_hardware`.
+            ``for step in range(N)`` is refused at its first step); see :doc:`/uneven_hardware`. With
+            ``outer=LocalOuterSGD(...)`` every rank takes the outer step at the same round, the
+            first whose DDP-equivalent progress crosses a multiple of ``every``.
     """
 
     #: the algorithm: its state, its update

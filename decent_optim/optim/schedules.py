@@ -6,7 +6,10 @@
 * the same rounds and an outer step on each rank's own slow weights (``outer=LocalOuterSGD``):
   :class:`~decent_optim.optim.slow_outer.SlowOuterRounds`;
 * periods of at least ``local_steps`` steps that last until the neighbours' round is in
-  (``uneven=True``): :class:`~decent_optim.optim.uneven.UnevenRounds`.
+  (``uneven=True``): :class:`~decent_optim.optim.uneven.UnevenRounds`;
+* those periods, and the slow-weight outer step counted in DDP-equivalent steps
+  (``uneven=True, outer=LocalOuterSGD``):
+  :class:`~decent_optim.optim.uneven_outer.UnevenOuterRounds`.
 
 The keywords are checked here, before anything is built, with an error that says what to pass.
 """
@@ -22,6 +25,7 @@ from decent_optim.optim.local_steps import LocalRounds, OuterSGD
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.slow_outer import LocalOuterSGD, SlowOuterRounds
 from decent_optim.optim.uneven import UnevenRounds
+from decent_optim.optim.uneven_outer import UnevenOuterRounds
 
 __all__ = ["EVERY_STEP", "Schedule", "Uneven", "check", "make_rounds"]
 
@@ -92,7 +96,14 @@ def check(
             f"outer must be None, {sorted(_NAMED)}, a decent_optim.OuterSGD or a "
             f"decent_optim.LocalOuterSGD, got {type(outer).__name__}"
         )
-    if isinstance(outer, LocalOuterSGD) and outer.every % local_steps:
+    if not isinstance(uneven, (bool, Uneven)):
+        raise TypeError(
+            f"uneven must be True, False or a decent_optim.Uneven(cap=...), got "
+            f"{type(uneven).__name__} {uneven!r}"
+        )
+    setting = Uneven() if uneven is True else uneven or None
+    # uneven ranks count `every` in DDP-equivalent steps, which fall anywhere in a period
+    if isinstance(outer, LocalOuterSGD) and not uneven and outer.every % local_steps:
         raise ValueError(
             f"LocalOuterSGD(every={outer.every}) must be a multiple of local_steps={local_steps}: "
             "the outer step is taken at the end of a period; pass every="
@@ -104,21 +115,11 @@ def check(
             f"{local_steps}: the global average replaces one of the rounds, which are launched "
             "every local_steps steps"
         )
-    if not isinstance(uneven, (bool, Uneven)):
-        raise TypeError(
-            f"uneven must be True, False or a decent_optim.Uneven(cap=...), got "
-            f"{type(uneven).__name__} {uneven!r}"
-        )
-    setting = Uneven() if uneven is True else uneven or None
-    if uneven and outer is not None:
-        why = (
-            "LocalOuterSGD's outer step comes every `every` steps, which uneven ranks take at "
-            "their own pace"
-            if isinstance(outer, LocalOuterSGD)
-            else "the outer step's round would make the ranks wait for the slowest"
-        )
+    if uneven and isinstance(outer, OuterSGD):
         raise ValueError(
-            f"uneven=True does not take outer= yet: {why}; pass outer=None with uneven=True"
+            'uneven=True does not take outer="diloco" or an OuterSGD: the outer step\'s round '
+            "would make the ranks wait for the slowest; pass outer=decent_optim.LocalOuterSGD() "
+            "(an outer step on each rank's own slow weights, no round of its own) or outer=None"
         )
     if uneven and global_avg_every is not None:
         raise ValueError(
@@ -135,6 +136,9 @@ def make_rounds(
     schedule: Schedule,
 ) -> Rounds:
     """The rounds of an optimizer with ``schedule`` (module docstring)."""
+    if schedule.uneven is not None and isinstance(schedule.outer, LocalOuterSGD):
+        cap = schedule.uneven.cap
+        return UnevenOuterRounds(gossip, flat, schedule.local_steps, schedule.outer, cap)
     if schedule.uneven is not None:
         return UnevenRounds(gossip, flat, schedule.local_steps, schedule.uneven.cap)
     if schedule.local_steps == 1 and schedule.outer is None:

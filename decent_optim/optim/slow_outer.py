@@ -31,7 +31,7 @@ from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, LocalGossiper
 from decent_optim.optim.local_steps import LocalRounds, check_outer_rates, sgd_outer_step
 
-__all__ = ["LocalOuterSGD", "SlowOuterRounds"]
+__all__ = ["LocalOuterSGD", "SlowOuterRounds", "SlowWeights"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ class LocalOuterSGD:
 
     The defaults are the measured recommendation for ``local_steps=4`` (docs: "Fewer steps: an
     outer step on each rank's slow weights"): outer lr 0.5, Nesterov momentum 0.7, every 32
-    steps. ``every`` must be a multiple of ``local_steps``.
+    steps. ``every`` must be a multiple of ``local_steps``, except with ``uneven=True``, where
+    it counts DDP-equivalent steps (:mod:`~decent_optim.optim.uneven_outer`).
     """
 
     lr: float = 0.5
@@ -64,10 +65,40 @@ class LocalOuterSGD:
         object.__setattr__(self, "momentum", float(self.momentum))
 
 
-class SlowOuterRounds(LocalRounds):
+class SlowWeights:
+    """The slow weights :math:`\theta_i` and their momentum, per bucket, and the outer step on
+    them: what the rounds with ``outer=LocalOuterSGD`` add (a mixin; the rounds say when)."""
+
+    #: checkpoint keys -> attributes, added to the rounds' ``SAVED`` (local_checkpoint)
+    SAVED_SLOW = {"slow": "slow", "slow_momentum": "slow_momentum"}
+    slow_outer: LocalOuterSGD
+    slow: list[Tensor] | None = None  # the slow weights, from the first step
+    slow_momentum: list[Tensor] | None = None  # from the first outer step
+
+    def start_slow(self, buffers: list[Tensor]) -> None:
+        """The slow weights start as the parameters (at the first step, unless restored)."""
+        if self.slow is None:
+            self.slow = [b.clone() for b in buffers]
+
+    def slow_step(self, buffers: list[Tensor]) -> None:
+        """The outer step on every bucket (:func:`sgd_outer_step`), then ``x = theta``."""
+        assert self.slow is not None  # start_slow() ran first
+        outer = self.slow_outer
+        old: list[Tensor | None] = [None] * len(self.slow)
+        if self.slow_momentum is not None:
+            old = list(self.slow_momentum)
+        with torch.no_grad():
+            bufs = [
+                sgd_outer_step(theta, x, buf, outer.lr, outer.momentum, outer.nesterov)
+                for x, theta, buf in zip(buffers, self.slow, old)
+            ]
+        self.slow_momentum = [b for b in bufs if b is not None] or None
+
+
+class SlowOuterRounds(SlowWeights, LocalRounds):
     """The rounds of plain local steps, and the slow-weight outer step of the module docstring."""
 
-    SAVED = {**LocalRounds.SAVED, "slow": "slow", "slow_momentum": "slow_momentum"}
+    SAVED = {**LocalRounds.SAVED, **SlowWeights.SAVED_SLOW}
 
     def __init__(
         self,
@@ -79,21 +110,17 @@ class SlowOuterRounds(LocalRounds):
     ) -> None:
         super().__init__(gossip, flat, global_avg_every, local_steps, None)  # plain rounds
         self.slow_outer = outer
-        self.slow: list[Tensor] | None = None  # the slow weights, from the first step
-        self.slow_momentum: list[Tensor] | None = None  # from the first outer step
+        self.slow = self.slow_momentum = None
 
     def take(self) -> None:  # type: ignore[override]
         """As local steps; at the first step the slow weights start as the parameters."""
         super().take()
-        if self.slow is None:
-            self.slow = [b.clone() for b in self._flat.buffers]
+        self.start_slow(self._flat.buffers)
 
     def launch(self) -> None:
         """Count a completed step; every ``every`` steps the outer step; at a period's end send."""
         if (self.count + 1) % self.slow_outer.every == 0:
-            assert self.slow is not None  # take() ran first
-            with torch.no_grad():
-                self._slow_step()
+            self.slow_step(self._flat.buffers)
         super().launch()
 
     @property
@@ -104,15 +131,3 @@ class SlowOuterRounds(LocalRounds):
         """Continue from a checkpoint; slow weights come from it too, else from the parameters."""
         super().reset(count, in_flight)
         self.slow = self.slow_momentum = None
-
-    def _slow_step(self) -> None:
-        assert self.slow is not None
-        outer = self.slow_outer
-        old: list[Tensor | None] = [None] * len(self.slow)
-        if self.slow_momentum is not None:
-            old = list(self.slow_momentum)
-        bufs = [
-            sgd_outer_step(theta, x, buf, outer.lr, outer.momentum, outer.nesterov)
-            for x, theta, buf in zip(self._flat.buffers, self.slow, old)
-        ]
-        self.slow_momentum = [b for b in bufs if b is not None] or None
