@@ -116,7 +116,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
         uneven: with ``local_steps``, for workers of uneven speed: a period lasts at least
             ``local_steps`` steps and until the neighbours' round has arrived, and the faster
             workers take more steps meanwhile instead of waiting, at most ``cap`` times
-            ``local_steps`` (``True`` is ``decent_optim.Uneven(cap=4)``). Call :meth:`stop_at`
+            ``local_steps`` (``True`` is ``decent_optim.Uneven(cap=8)``). Call :meth:`stop_at`
             before the first step and end the loop on :attr:`stopped` (a loop of
             ``for step in range(N)`` is refused at its first step); see :doc:`/uneven_hardware`. With
             ``outer=LocalOuterSGD(...)`` every rank takes the outer step at the same round, the

@@ -42,7 +42,7 @@ class Uneven:
     more than ``cap`` times: the cluster then runs at ``cap`` times its slowest rank's pace.
     """
 
-    cap: float | None = 4
+    cap: float | None = 8
 
     def __post_init__(self) -> None:
         cap = self.cap
