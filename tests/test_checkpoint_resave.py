@@ -3,7 +3,8 @@ again while the abandoned trajectory's step 4 is committed. The rank files of bo
 size, so a rewrite in place under the old manifest would pass every size check. Each rank must
 un-commit the step before it writes, and rank 0 must commit only the files of the new save: a
 save that fails half way (one rank's write fails, injected) then resumes every rank from the
-newest *complete* checkpoint of one trajectory, and a rank that saves late is waited for.
+newest *complete* checkpoint of one trajectory, and a rank that saves late is waited for. A
+step saved twice within one trajectory (a final save of the last step) stays committed.
 """
 
 from __future__ import annotations
@@ -132,3 +133,25 @@ def test_rank_zero_commits_a_resaved_step_only_with_every_ranks_new_file(tmp_pat
         assert step == 4, (rank, step)
         for key, value in state.items():
             assert torch.equal(value, results[rank][1][key]), (rank, key)
+
+
+def _save_twice(rank, world, root):
+    """A periodic save of the last step and a final save of it, in one trajectory."""
+    model, opt = _build()
+    _train(model, opt, rank, 1, trajectory=3)
+    checkpoint.save(root, model, opt, step=1)
+    checkpoint.wait(root)
+    if rank == 1:
+        time.sleep(0.5)  # the others' second save first: nothing there may un-commit it
+    checkpoint.save(root, model, opt, step=1)
+    checkpoint.wait(root)
+    return _state(model)
+
+
+def test_a_step_saved_twice_in_one_trajectory_stays_committed(tmp_path):
+    root = str(tmp_path / "ckpt")
+    saved = run_world(_save_twice, 2, root)
+    for rank, (step, state) in enumerate(run_world(_resume, 2, root)):
+        assert step == 1, (rank, step)
+        for key, value in state.items():
+            assert torch.equal(value, saved[rank][key]), (rank, key)

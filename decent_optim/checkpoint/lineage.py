@@ -2,8 +2,8 @@
 
 A *lineage* is a stretch of training that only goes forward. It begins where ``load`` resumes
 (rank 0 draws a random name and every rank takes it from load's all-gather) or, in a process
-that never loaded from the folder, at the launch (torchrun's run id and restart count; empty
-without torchrun). Every rank file carries its lineage in its header (``"save"``), and the
+that never loaded from the folder, at the launch (torchrun's run id, the same on every node;
+empty without torchrun). Every rank file carries its lineage in its header (``"save"``), and the
 manifest names it.
 
 Saving a step whose committed manifest names another lineage -- after ``load(step=2)`` went
@@ -46,10 +46,9 @@ def begin(root: Path, name: str) -> None:
 
 def current(root: Path) -> str:
     """The lineage of this process's saves into ``root`` (the same on every rank)."""
-    launch = os.environ.get("TORCHELASTIC_RUN_ID")
-    if launch is not None:
-        launch = f"launch {launch}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return _LINEAGES.get(root, launch or "")
+    # not the restart count: each node's agent keeps its own
+    launch = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return _LINEAGES.get(root, f"launch {launch}" if launch else "")
 
 
 def uncommit_other(folder: Path, name: str) -> None:
