@@ -8,8 +8,10 @@ every 2 steps or more and each worker mixes it in when it has arrived, taking lo
 then (a period lasts the slowest worker's 2 steps, so the fast ones take 4 at half its speed:
 pick half the ``local_steps`` you would on even hardware). The loop ends on the optimizer's
 budget, the learning rate follows its DDP-equivalent progress and evaluation happens at rounds,
-the points every worker reaches in the same order (step counts differ from worker to worker). A
-slow device is emulated by a sleep per step.
+the points every worker reaches in the same order (step counts differ from worker to worker),
+with a final evaluation at the round the budget ends on. ``--checkpoint-dir`` saves at every
+evaluation and resumes from there (``opt.stop_at`` is called after the load: the budget is not
+in the checkpoint). A slow device is emulated by a sleep per step.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=60.0, help="emulated device time per step")
     p.add_argument("--slow-rank", type=int, default=-1, help="default: the last rank")
     p.add_argument("--even", action="store_true", help="every worker at the same speed")
-    p.add_argument("--eval-rounds", type=int, default=50, help="rounds between evaluations")
+    p.add_argument(
+        "--eval-every", type=int, default=100, help="DDP-equivalent steps between evaluations"
+    )
+    p.add_argument(
+        "--eval-rounds", type=int, help="rounds between evaluations (default: from --eval-every)"
+    )
+    p.add_argument("--checkpoint-dir", help="save at every evaluation and resume from there")
     args = p.parse_args()
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
@@ -50,13 +58,34 @@ def main() -> None:
     corpus = train_charlm.load_corpus()
     torch.manual_seed(0)
     model = train_charlm.CharGPT(corpus.vocab_size)
-    peak = 3e-3
+    peak, local_steps = 3e-3, 2
     opt = dopt.DecentralizedAdamW(
-        model.parameters(), lr=peak, topology="ring", local_steps=2, uneven=True
+        model.parameters(), lr=peak, topology="ring", local_steps=local_steps, uneven=True
     )
-    opt.stop_at(args.steps)  # every worker stops at the same round, once the budget is reached
-    gen = torch.Generator().manual_seed(rank)
-    steps, evaluated, start = 0, 0, time.perf_counter()
+    resumed_at = 0
+    if args.checkpoint_dir:  # round 0 when there is nothing to resume
+        resumed_at = dopt.checkpoint.load(args.checkpoint_dir, model, opt).step
+    opt.stop_at(args.steps)  # after load, on every start: the budget is not in the checkpoint
+    # a round every local_steps steps (or more) of the slowest worker: on even hardware one
+    # round is local_steps DDP-equivalent steps, so every E steps is every E // local_steps rounds
+    eval_rounds = args.eval_rounds or max(1, args.eval_every // local_steps)
+    last_eval = opt.round  # the round evaluated last: none yet (opt.round stays for a period)
+
+    def evaluate() -> None:  # a collective: every worker is at this round
+        with opt.averaged(model), torch.no_grad():
+            x, y = corpus.val_batches[0]
+            held_out = F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+        if rank == 0:
+            print(
+                f"round {opt.round}: {opt.progress:.0f} DDP-equivalent steps, held-out "
+                f"loss of the consensus model {held_out:.3f}",
+                flush=True,
+            )
+        if args.checkpoint_dir:
+            dopt.checkpoint.save(args.checkpoint_dir, model, opt, step=opt.round)
+
+    gen = torch.Generator().manual_seed(1000 * resumed_at + rank)  # new batches after a resume
+    steps, start = 0, time.perf_counter()
     while not opt.stopped:
         for group in opt.param_groups:  # cosine over the DDP-equivalent progress
             group["lr"] = peak * 0.5 * (1 + math.cos(math.pi * min(1.0, opt.progress / args.steps)))
@@ -67,21 +96,18 @@ def main() -> None:
         loss.backward()
         opt.step()
         steps += 1
-        if opt.round != evaluated and (opt.round % args.eval_rounds == 0 or opt.stopped):
-            evaluated = opt.round  # a collective: every worker is at this round
-            with opt.averaged(model), torch.no_grad():
-                x, y = corpus.val_batches[0]
-                held_out = F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
-            if rank == 0:
-                print(
-                    f"round {opt.round}: {opt.progress:.0f} DDP-equivalent steps, held-out "
-                    f"loss of the consensus model {held_out:.3f}",
-                    flush=True,
-                )
+        if opt.round % eval_rounds == 0 and opt.round != last_eval and not opt.stopped:
+            last_eval = opt.round
+            evaluate()
+    evaluate()  # the final one, at the round the budget ended on
+    if args.checkpoint_dir:
+        dopt.checkpoint.wait(args.checkpoint_dir)
     seconds = time.perf_counter() - start
+    resumed = f" (resumed at round {resumed_at})" if resumed_at else ""
     print(
         f"rank {rank}{' (slow)' if rank == slow and not args.even else ''}: {steps} steps in "
-        f"{seconds:.1f} s; stopped at round {opt.round}, {opt.progress:.0f} DDP-equivalent steps",
+        f"{seconds:.1f} s{resumed}; stopped at round {opt.round}, {opt.progress:.0f} "
+        "DDP-equivalent steps",
         flush=True,
     )
     if dist.is_initialized():

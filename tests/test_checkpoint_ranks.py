@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from _harness import run_world, run_world_fresh
 
 import decent_optim as dopt
@@ -135,3 +136,41 @@ def test_a_damaged_rank_file_is_reported_on_every_rank(tmp_path):
         assert step == 1
         for key, value in state.items():
             assert torch.equal(value, first[rank][key]), (rank, key)
+
+
+# -- issue 39, item 2: a save inside opt.averaged() ------------------------------------------------
+
+
+def _save_inside_averaged(rank, world, root):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = dopt.DecentralizedAdamW(model.parameters(), lr=0.1, timeout=30)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):  # the ranks' copies differ after their own updates: the average is neither
+        opt.zero_grad()
+        model(torch.randn(2, 8, generator=gen)).sum().backward()
+        opt.step()
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    with opt.averaged(model):
+        inside = _outcome(lambda: checkpoint.save(root, model, opt, step=1))
+        checkpoint.wait(root)
+    dist.barrier()  # every rank's refused save is over before any looks
+    written = os.path.exists(root) and os.listdir(root)
+    dist.barrier()  # ... and has looked before any saves
+    checkpoint.save(root, model, opt, step=1)  # after the block, as the refusal says
+    checkpoint.wait(root)
+    fresh = torch.nn.Linear(8, 8)
+    checkpoint.load(root, fresh, dopt.DecentralizedAdamW(fresh.parameters(), lr=0.1, timeout=30))
+    return inside, written, own, fresh.state_dict()
+
+
+def test_a_save_inside_averaged_is_refused_on_every_rank(tmp_path):
+    root = str(tmp_path / "ckpt")
+    results = run_world(_save_inside_averaged, 2, root)
+    assert not torch.equal(results[0][2]["weight"], results[1][2]["weight"])
+    for rank, (inside, written, own, loaded) in enumerate(results):
+        assert inside is not None and inside[0] == "RuntimeError", (rank, inside)
+        assert "checkpoint.save inside opt.averaged()" in inside[1], (rank, inside)
+        assert not written, (rank, written)
+        for key, value in loaded.items():  # the rank's own copy, not the average
+            assert torch.equal(value, own[key]), (rank, key)

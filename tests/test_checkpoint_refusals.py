@@ -212,3 +212,82 @@ def test_loading_another_models_checkpoint_is_refused_before_anything_changes(tm
     for key, value in g.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert opt_g.state_dict()["decent_optim"] == counter
+
+
+# -- issue 39, item 2: save and load inside opt.averaged() -----------------------------------------
+
+
+def test_a_save_inside_averaged_is_refused_and_after_the_block_saves_the_own_copy(tmp_path):
+    """One rank: the refusal itself (the values a second rank would average in: test_checkpoint_
+    ranks.py)."""
+    model, opt = _model_and_opt()
+    _train(model, opt)
+    for background in (False, True):
+        with opt.averaged(model):
+            with pytest.raises(RuntimeError, match="checkpoint.save inside opt.averaged") as info:
+                checkpoint.save(tmp_path, model, opt, step=1, background=background)
+        for part in ("not its own", "after the block", "consensus_state_dict", "Nothing was"):
+            assert part in str(info.value), (part, str(info.value))
+    assert _files(tmp_path) == {}
+    checkpoint.save(tmp_path, model, opt, step=1)  # what it says works
+    _assert_loads(tmp_path, 1, _state(model))
+
+
+def test_a_load_inside_averaged_is_refused_before_anything_changes(tmp_path):
+    model, opt = _model_and_opt()
+    _train(model, opt)
+    checkpoint.save(tmp_path, model, opt, step=1)
+    saved = _state(model)
+    partial = tmp_path / "step-00000002"
+    partial.mkdir()  # a save a kill interrupted: load would remove it
+    fresh, fresh_opt = _model_and_opt(9)
+    _train(fresh, fresh_opt)
+    with fresh_opt.averaged(fresh):
+        inside = _state(fresh)
+        with pytest.raises(RuntimeError, match="checkpoint.load inside opt.averaged") as info:
+            checkpoint.load(tmp_path, fresh, fresh_opt)
+        assert "after the block" in str(info.value)
+        for key, value in fresh.state_dict().items():
+            assert torch.equal(value, inside[key]), key
+    assert partial.is_dir()  # nothing was removed either
+    assert checkpoint.load(tmp_path, fresh, fresh_opt).step == 1  # after the block: it loads
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+
+
+# -- issue 39, item 3: a file given where the checkpoint folder goes --------------------------------
+
+
+def test_loading_from_a_torch_save_file_is_refused_naming_torch_load(tmp_path):
+    model, opt = _model_and_opt()
+    path = tmp_path / "model.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    fresh, fresh_opt = _model_and_opt(9)
+    before = _state(fresh)
+    with pytest.raises(NotADirectoryError, match="is a file, not a checkpoint folder") as info:
+        checkpoint.load(path, fresh, fresh_opt)
+    message = str(info.value)
+    for part in (
+        str(path),
+        "checkpoint.save(root, ...) writes",
+        "manifest.json",
+        "written by torch.save",
+        "torch.load(",
+        "model.load_state_dict(",
+    ):
+        assert part in message, (part, message)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_loading_from_a_rank_file_names_its_root_and_step(tmp_path):
+    model, opt = _model_and_opt()
+    checkpoint.save(tmp_path / "ckpt", model, opt, step=7)
+    rank_file = tmp_path / "ckpt" / "step-00000007" / "rank-00000-of-00001.pt"
+    for given in (rank_file, rank_file.parent / "manifest.json"):
+        with pytest.raises(NotADirectoryError, match="not a checkpoint folder") as info:
+            checkpoint.load(given, *_model_and_opt(9))
+        assert f"load('{(tmp_path / 'ckpt').resolve()}', model, opt, step=7)" in str(info.value)
+    with pytest.raises(ValueError, match="not a checkpoint folder") as info:
+        checkpoint.load(tmp_path / "ckpt" / "step-00000007", *_model_and_opt(9))
+    assert "step=7" in str(info.value)  # a step folder is a folder, but not the root

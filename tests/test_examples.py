@@ -136,3 +136,22 @@ def test_charlm_summary_after_a_resume_names_the_step_it_resumed_at(tmp_path: Pa
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("done: ")]
     assert "(step 5) ->" in line and "(step 6)" in line, line  # the first step run: 5, not 1
     assert "over 2 steps (resumed at step 5, 6 in all)" in line, line
+
+
+def test_uneven_workers_evaluates_at_the_end_and_resumes_with_its_budget(tmp_path: Path) -> None:
+    """docs/uneven_hardware.rst's loop: a final evaluation at the round the budget ends on, and
+    stop_at called again after a resume (the budget is not in the checkpoint)."""
+    script = [sys.executable, str(EXAMPLES / "uneven_workers.py"), "--checkpoint-dir", "ckpt"]
+    quick = ["--step-ms", "1", "--eval-every", "4"]  # every 4 steps: every 2 rounds
+
+    def rounds(out: str) -> tuple[list[int], int, str]:
+        evaluated = [int(x.split()[1][:-1]) for x in out.splitlines() if x.startswith("round ")]
+        (summary,) = [x for x in out.splitlines() if "stopped at round" in x]
+        return evaluated, int(summary.split("stopped at round ")[1].split(",")[0]), summary
+
+    evaluated, stopped, _ = rounds(_run([*script, *quick, "--steps", "12"], cwd=tmp_path).stdout)
+    assert evaluated == [*range(2, stopped, 2), stopped], (evaluated, stopped)  # and the final
+    out = _run([*script, *quick, "--steps", "20"], cwd=tmp_path).stdout
+    again, end, summary = rounds(out)
+    assert f"(resumed at round {stopped})" in summary, out
+    assert again[-1] == end > stopped and float(summary.split(", ")[-1].split()[0]) >= 20, out

@@ -717,3 +717,26 @@ def test_math_reference_is_self_consistent():
             groups = _spec_groups("alternating-exp-ring", nodes * 2, 2, t)
             assert sorted(i for g in groups for i in g) == list(range(nodes * 2))
             assert {len(g) for g in groups} <= {2, 4}
+
+
+@pytest.mark.parametrize("n, local", [(4, 4), (8, 8), (2, 2)])
+def test_alternating_exp_ring_on_one_node_says_what_to_pass_instead(n, local):
+    """README's recommended setting run with torchrun on one machine (LOCAL_WORLD_SIZE = n)."""
+    with pytest.raises(ValueError) as info:
+        topologies.get("alternating-exp-ring", n, local)
+    message = str(info.value)
+    for part in ("1 node", 'topology="ring"', 'topology="one-peer-exp"', "local_world_size=1"):
+        assert part in message, (part, message)
+    # what it says works: the alternatives build on that one node
+    topologies.get("ring", n, local)
+    topologies.get("one-peer-exp", n, local)
+    topologies.get("alternating-exp-ring", n, 1)
+
+
+@pytest.mark.parametrize("n, local", [(6, 2), (12, 4), (3, 1)])
+def test_alternating_exp_ring_on_other_node_counts_says_what_to_pass_instead(n, local):
+    with pytest.raises(ValueError) as info:
+        topologies.get("alternating-exp-ring", n, local)
+    message = str(info.value)
+    assert f"{n // local} nodes" in message and 'topology="ring"' in message, message
+    topologies.get("ring", n, local)

@@ -14,7 +14,8 @@ collectives, in the background if asked (:mod:`.saving`, :mod:`.writers`); loadi
 world size (exact) or another one (:mod:`.resize`'s rule, :mod:`.loading`). What would lose or
 mix checkpoints is refused before anything is written: bad arguments, sharded models, an
 ``extra`` that would not load back (:mod:`.refusals`), two models in one folder
-(:mod:`.ownership`).
+(:mod:`.ownership`). A step saved again after going back (``load(step=...)``) never mixes
+the two trajectories (:mod:`.lineage`).
 
 Why ``torch.save`` and not ``torch.distributed.checkpoint`` (DCP): DCP saves one logical copy of a
 tensor that every rank holds (it deduplicates replicated state) and reshards *slices* of one

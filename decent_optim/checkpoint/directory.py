@@ -15,8 +15,8 @@ step folder is a checkpoint exactly when it holds ``manifest.json``: a process k
 middle of a save leaves a folder without it, which :func:`latest` skips and :func:`clean`
 removes. A write that fails (a full disk) removes its temporary file and raises
 :class:`WriteError`, an ``OSError``, whatever form the failure took inside ``torch.save``. The
-manifest records the world size, step, topology, optimizer class and every rank's file with its
-size, which :func:`latest` checks again.
+manifest records the world size, step, topology, optimizer class, the save's lineage
+(:mod:`.lineage`) and every rank's file with its size, which :func:`latest` checks again.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ __all__ = [
     "prune",
     "rank_file",
     "step_folder",
+    "sync_folder",
     "wait_for_files",
     "write_atomically",
 ]
@@ -68,6 +69,7 @@ class Manifest:
     sizes: list[int]  # bytes, by rank
     run: str = ""
     format: int = FORMAT
+    save: str = ""  # the lineage of the save (:mod:`.lineage`); "" before it was recorded
 
 
 def step_folder(root: Path, step: int) -> Path:
@@ -78,7 +80,8 @@ def rank_file(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.pt"
 
 
-def _sync_folder(folder: Path) -> None:
+def sync_folder(folder: Path) -> None:
+    """Make the entries of ``folder`` (renames, removals) durable."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -131,27 +134,33 @@ def write_atomically(path: Path, write: Any) -> int:
         )
         failure.errno = cause.errno
         raise failure from err
-    _sync_folder(path.parent)
+    sync_folder(path.parent)
     return size
 
 
 def wait_for_files(
-    folder: Path, names: list[str], timeout: float, give_up: Any = lambda: False
+    folder: Path,
+    names: list[str],
+    timeout: float,
+    give_up: Any = lambda: False,
+    accept: Any = lambda path: True,
 ) -> list[int]:
-    """Wait until every file of ``names`` is in ``folder``; returns their sizes.
+    """Wait until every file of ``names`` is in ``folder`` and ``accept``-ed (written by this
+    save); returns their sizes.
 
     Raises TimeoutError naming the missing ones after ``timeout`` seconds, or as soon as
     ``give_up()`` is true.
     """
     deadline = time.monotonic() + timeout
     while True:
-        missing = [n for n in names if not (folder / n).is_file()]
+        missing = [n for n in names if not ((folder / n).is_file() and accept(folder / n))]
         if not missing:
             return [(folder / n).stat().st_size for n in names]
         if time.monotonic() > deadline or give_up():
             raise TimeoutError(
                 f"the checkpoint in {folder} is not committed: "
-                f"{len(missing)} rank file(s) are still missing ({', '.join(missing[:4])}...). "
+                f"{len(missing)} rank file(s) are still missing ({', '.join(missing[:4])}...; "
+                "a file an earlier save left there does not count). "
                 "Every rank must call decent_optim.checkpoint.save() at the same step, and all "
                 "ranks must write to one folder they all see (a shared filesystem)"
             )

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from decent_optim.checkpoint import directory, ownership, refusals, resize, writers
+from decent_optim.checkpoint import directory, lineage, ownership, refusals, resize, writers
 from decent_optim.checkpoint.directory import HEADER
 from decent_optim.gossip import Arrival, gather_objects
 from decent_optim.optim.agreement import Account, agree
@@ -91,9 +91,11 @@ def load(
         refusals.check_step(step)
     opt = unwrap(optimizer)
     refusals.refuse_sharded("load", [*model.parameters(), *_opt_params(opt)])
+    refusals.refuse_inside_averaged("load", opt)
+    folder_root = Path(root).resolve()
+    refusals.refuse_not_a_root(folder_root)
     group, device = opt._where
     timeout: datetime.timedelta | None = getattr(opt._rounds.gossip, "timeout", None)
-    folder_root = Path(root).resolve()
     flushed = writers.flush(folder_root)  # this process's save in flight, finished first
     failure = None if flushed is None else str(flushed)
     choice: tuple[str, dict[str, Any]] | None = None
@@ -105,19 +107,22 @@ def load(
             failure = (
                 f"rank 0 could not look for checkpoints in {root}: {type(err).__name__}: {err}"
             )
-    everyone = [(choice, failure)]
+    # rank 0 names the lineage the ranks save under from here on (see .lineage)
+    mine = (choice, failure, lineage.draw() if opt.rank == 0 else None)
+    everyone = [mine]
     if group is not None:
         what = "decent_optim.checkpoint.load"
         arrival = Arrival(what, group)
-        everyone = gather_objects((choice, failure), group, timeout, what, _WAIT_HINT, arrival)
-    failed = [f"rank {r}: {text}" for r, (_, text) in enumerate(everyone) if text is not None]
+        everyone = gather_objects(mine, group, timeout, what, _WAIT_HINT, arrival)
+    failed = [f"rank {r}: {text}" for r, (_, text, _) in enumerate(everyone) if text is not None]
     if failed:
         raise RuntimeError(
             f"decent_optim.checkpoint.load from {root} failed before loading anything ("
             + "; ".join(failed)
             + ")"
         ) from flushed
-    choice = everyone[0][0]
+    choice, _, name = everyone[0]
+    lineage.begin(folder_root, str(name))
     if opt.rank == 0:  # every rank has finished its saves in flight: none is still writing
         directory.clean(folder_root, keep=Path(choice[0]) if choice else None)
     ownership.own(folder_root, opt, None)
@@ -196,8 +201,11 @@ def _read(
             "rank": old_rank,
             "run": manifest.run,
             "optimizer_class": manifest.optimizer,
+            "save": manifest.save,
         }
         header = contents.get(HEADER) if isinstance(contents, dict) else None
+        if isinstance(header, dict):  # files saved before the lineage was recorded lack it
+            header = {"save": "", **header}
         if header != expected:
             raise ValueError(
                 f"{paths[old_rank]} is not the file the manifest names (rank {old_rank} of "

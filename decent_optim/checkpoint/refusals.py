@@ -8,6 +8,11 @@ any rank waits for another.
 * Sharded parameters (DTensors, e.g. FSDP2's ``fully_shard``): this package's checkpoints hold a
   whole copy of the model per gossip rank, and a rank of a sharded replica holds a shard; such
   models are saved per replica with ``torch.distributed.checkpoint`` (docs: large_models).
+* Inside ``opt.averaged()``: the parameters are the mean over the ranks there, not the rank's
+  own; a save would resume every rank from the mean, and a load would be undone at the block's
+  exit.
+* A path that is not the checkpoint folder (a file, or one step folder in it): ``load`` would
+  find no checkpoint there and start from scratch without a word.
 * ``extra``: it must load back under the rules ``load`` reads with (``torch.load`` with
   ``weights_only=True``), checked by that very round trip in memory at save time (with its
   plain tensors emptied: the types matter, not the data) -- a value it refuses would make every
@@ -18,14 +23,24 @@ from __future__ import annotations
 
 import io
 import numbers
+import re
+import zipfile
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from decent_optim import sharded
 
-__all__ = ["check_extra", "check_keep_last", "check_step", "refuse_sharded"]
+__all__ = [
+    "check_extra",
+    "check_keep_last",
+    "check_step",
+    "refuse_inside_averaged",
+    "refuse_not_a_root",
+    "refuse_sharded",
+]
 
 
 def check_keep_last(keep_last: object) -> None:
@@ -49,6 +64,81 @@ def check_step(step: object, name: str = "step") -> None:
     """``step`` is a whole number >= 0."""
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         raise ValueError(f"{name} must be a whole number >= 0, got {step!r}")
+
+
+def refuse_inside_averaged(call: str, opt: Any) -> None:
+    """Raise when ``opt.averaged()`` holds the parameters (every rank is inside it: a
+    collective)."""
+    block = opt._rounds.held_by
+    if block is None:
+        return
+    if call == "save":
+        harm = "a checkpoint of them would resume every rank from the mean, losing its own copy"
+        more = (
+            " To save the averaged model for export, call sd = opt.consensus_state_dict(model) "
+            "outside the block and torch.save(sd, ...) on rank 0. Nothing was written"
+        )
+    else:
+        harm = "the block puts them back on exit, which would undo the load"
+        more = " Nothing was read or changed"
+    raise RuntimeError(
+        f"decent_optim.checkpoint.{call} inside {block}: within the block every rank's "
+        f"parameters are the mean over all ranks, not its own, and {harm}. Call "
+        f"decent_optim.checkpoint.{call}(...) after the block.{more}"
+    )
+
+
+_STEP_FOLDER = re.compile(r"^step-(\d+)$")
+#: what a checkpoint folder is, for the refusals of paths that are not one
+_WHAT_SAVE_WRITES = (
+    "decent_optim.checkpoint.save(root, ...) writes a checkpoint folder: root holds a folder per "
+    "saved step (step-00000100/, ...), each with a file per rank (rank-00000-of-00004.pt, ...) "
+    "and a manifest.json; load() takes that root, the same folder given to save"
+)
+
+
+def _written_by_torch_save(path: Path) -> bool:
+    """Whether ``path`` looks like a ``torch.save`` file (its zip format or the legacy one)."""
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                return any(n.rsplit("/", 1)[-1] == "data.pkl" for n in archive.namelist())
+        with open(path, "rb") as f:  # the legacy format: torch's magic number, pickled first
+            return f.read(14) == b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
+    except OSError:
+        return False
+
+
+def refuse_not_a_root(root: Path) -> None:
+    """Raise when ``root`` (resolved), given to ``load``, is a file or one step folder: there
+    would be no checkpoint to find, and the run would start from scratch without a word."""
+    if not root.exists():
+        return  # no checkpoint yet: the first run
+    step = _STEP_FOLDER.match(root.parent.name if root.is_file() else root.name)
+    instead = ""
+    if step is not None:  # a file of a step folder, or the step folder itself
+        top = root.parent.parent if root.is_file() else root.parent
+        instead = (
+            f" It is part of the checkpoint of step {int(step.group(1))} in {top}: "
+            f"decent_optim.checkpoint.load('{top}', model, opt, step={int(step.group(1))})."
+        )
+    elif root.is_file() and _written_by_torch_save(root):
+        instead = (
+            f" {root} looks written by torch.save: read it with "
+            f"state = torch.load('{root}', map_location='cpu', weights_only=True) and give its "
+            "parts to model.load_state_dict(...) and opt.load_state_dict(...) (a torch.optim "
+            "state dict loads too; docs: migrating_from_ddp)."
+        )
+    if root.is_file():
+        raise NotADirectoryError(
+            f"decent_optim.checkpoint.load: {root} is a file, not a checkpoint folder. "
+            f"{_WHAT_SAVE_WRITES}.{instead} Nothing was read or changed"
+        )
+    if step is not None:
+        raise ValueError(
+            f"decent_optim.checkpoint.load: {root} is one step's folder, not a checkpoint "
+            f"folder. {_WHAT_SAVE_WRITES}.{instead} Nothing was read or changed"
+        )
 
 
 #: the supported route for sharded models, for the refusal's message

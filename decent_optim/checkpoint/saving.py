@@ -19,7 +19,10 @@ is not a daemon: the interpreter finishes the write before it exits, and reports
 nobody waited for (:mod:`~decent_optim.checkpoint.writers`).
 
 Before anything is written, ``save`` refuses what would lose or mix checkpoints
-(:mod:`~decent_optim.checkpoint.refusals`, :mod:`~decent_optim.checkpoint.ownership`). A write
+(:mod:`~decent_optim.checkpoint.refusals`, :mod:`~decent_optim.checkpoint.ownership`). A step
+committed by another trajectory (saved again after ``load(step=...)`` went back) is un-committed
+before the first new file is written, and committed again only with every rank's new file
+(:mod:`~decent_optim.checkpoint.lineage`). A write
 that fails (a full disk) raises :class:`~decent_optim.checkpoint.directory.WriteError` naming the
 file and the step; the step folder never gets a manifest, so the previous checkpoints stay the
 newest complete ones, and what is left of it is removed.
@@ -38,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from decent_optim.checkpoint import directory, ownership, refusals, resize, writers
+from decent_optim.checkpoint import directory, lineage, ownership, refusals, resize, writers
 from decent_optim.checkpoint.writers import wait
 from decent_optim.optim.startup import topology_key
 from decent_optim.wrappers import unwrap
@@ -100,6 +103,7 @@ def save(
     refusals.check_keep_last(keep_last)
     opt = unwrap(optimizer)
     refusals.refuse_sharded("save", _params(model, opt))
+    refusals.refuse_inside_averaged("save", opt)
     refusals.check_extra(extra)
     folder_root = Path(root).resolve()
     ownership.refuse_other_owner(folder_root, opt)
@@ -112,6 +116,7 @@ def save(
     run = os.environ.get("TORCHELASTIC_RUN_ID", "") if run is None else run
     header = {"step": step, "world_size": world_size, "rank": rank, "run": run}
     header["optimizer_class"] = type(opt).__name__
+    header["save"] = save_as = lineage.current(folder_root)
     payload: dict[str, Any] | None = {
         directory.HEADER: header,
         "model": model.state_dict(),
@@ -126,6 +131,7 @@ def save(
         files=[directory.rank_file(r, world_size) for r in range(world_size)],
         sizes=[],
         run=run,
+        save=save_as,
     )
 
     if background:
@@ -193,6 +199,7 @@ def _write(
         ) from err
     if payload is not None:
         try:
+            lineage.uncommit_other(folder, manifest.save)  # a step of another trajectory
             directory.save_file(folder / manifest.files[rank], payload)
         except directory.WriteError as err:
             try:
@@ -203,7 +210,11 @@ def _write(
     if rank == 0 and commit:
         gone: list[float] = []
         manifest.sizes = directory.wait_for_files(
-            folder, manifest.files, timeout, give_up=lambda: _main_thread_gone(gone)
+            folder,
+            manifest.files,
+            timeout,
+            give_up=lambda: _main_thread_gone(gone),
+            accept=lineage.written_by(manifest.save, resize.read),  # not an earlier save's
         )
         try:
             directory.commit_manifest(folder, manifest)

@@ -81,6 +81,22 @@ class OnePeerExpTopology(Topology):
         return [(i, i | bit) for i in range(n) if not i & bit]
 
 
+def _instead_of_aer(world_size: int, nodes: int) -> str:
+    """What to pass instead of alternating-exp-ring on ``nodes`` nodes (its refusal's end)."""
+    others = 'topology="ring"'
+    if is_power_of_two(world_size):
+        others += ' or topology="one-peer-exp"'
+    if nodes > 1:
+        return f"With {nodes} nodes, pass {others}, or run on a power-of-two number of nodes"
+    instead = f"On one node, pass {others} (one peer per round)"
+    if is_power_of_two(world_size):  # every worker a node: `world_size` nodes
+        instead += (
+            ", or local_world_size=1 to treat every worker as a node (compression=, if "
+            "given, then applies to every exchange)"
+        )
+    return instead
+
+
 class AlternatingExpRingTopology(Topology):
     r"""Node-aware exponential graph: rounds alternate between intra-node and inter-node averages.
 
@@ -99,7 +115,8 @@ class AlternatingExpRingTopology(Topology):
             raise ValueError(
                 "alternating-exp-ring needs world_size = nodes * local_world_size with nodes a "
                 f"power of two >= 2 (nodes = 2, 4, 8, ...); got world_size={world_size}, "
-                f"local_world_size={local_world_size} ({world_size / local_world_size:g} nodes)"
+                f"local_world_size={local_world_size} ({nodes} node{'s' * (nodes != 1)}). "
+                + _instead_of_aer(world_size, nodes)
             )
         self._nodes = nodes
 
