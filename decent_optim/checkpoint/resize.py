@@ -26,7 +26,10 @@ The optimizer's own ``"decent_optim"`` entry is then rewritten for the new world
 on the new one; under ``"consensus"`` its mix is already in the mean, since mixing keeps the
 mean), and without the old world's size, rank and topology, which ``load_state_dict`` would
 otherwise refuse. The first rounds after the load send exact
-values, so ``compression=``'s public copies are rebuilt from the loaded parameters.
+values, so ``compression=``'s public copies are rebuilt from the loaded parameters: the saved
+copies belong to the old world's groups and are neither merged nor kept. With ``uneven=True``
+the saved schedule keeps the old world size, so that the DDP-equivalent progress carries over
+(:meth:`~decent_optim.optim.uneven.UnevenRounds.load_schedule_state`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from decent_optim.optim.checkpoint import KEY
+from decent_optim.optim.checkpoint import COPIES, KEY
+from decent_optim.optim.local_checkpoint import ENTRY
 
 __all__ = ["RULES", "merged", "read", "retarget", "source_of"]
 
@@ -91,6 +95,7 @@ def merged(
         contents = load(path)
         if check is not None:
             check(old_rank, contents)
+        contents = _without_copies(contents)  # each rank's own, of shapes of its own
         total = _add(total, contents, f"file of rank {old_rank}", "")
         del contents  # unmapped before the next file is read
     return _mean(total, len(paths))
@@ -157,18 +162,38 @@ def _mean(total: Any, count: int) -> Any:
     return total
 
 
+def _without_copies(tree: Any) -> Any:
+    """``tree`` without compressed gossip's public copies in any optimizer state dict."""
+    if isinstance(tree, dict):
+        out = {k: _without_copies(v) for k, v in tree.items()}
+        entry = out.get(KEY)
+        if isinstance(entry, dict) and COPIES in entry:
+            out[KEY] = {k: v for k, v in entry.items() if k != COPIES}
+        return out
+    if isinstance(tree, list):
+        return [_without_copies(v) for v in tree]
+    return tree
+
+
 def retarget(tree: Any) -> Any:
     """``tree`` with every optimizer state dict in it made loadable at another world size.
 
     In each dict holding a ``"decent_optim"`` entry, the entry keeps the round counter, says no
     round is in flight, and loses what ties it to the saving world (world size, rank, topology,
-    the fingerprint of that rank's parameters), which ``load_state_dict`` then does not check.
+    the fingerprint of that rank's parameters, the public copies of compressed gossip), which
+    ``load_state_dict`` then does not check.
     """
     if isinstance(tree, dict):
         out = {k: retarget(v) for k, v in tree.items()}
         entry = out.get(KEY)
         if isinstance(entry, dict):
             kept = {k: v for k, v in entry.items() if k not in _OWNER_KEYS}
+            local = kept.get(ENTRY)
+            if isinstance(local, dict) and isinstance(local.get("uneven"), dict):
+                # the saving world's size, which the progress is measured in (files of older
+                # versions lack it in the schedule)
+                uneven = {"world_size": entry.get("world_size"), **local["uneven"]}
+                kept[ENTRY] = {**local, "uneven": uneven}
             out[KEY] = {**kept, "pending": False}
         return out
     if isinstance(tree, list):
@@ -178,4 +203,4 @@ def retarget(tree: Any) -> Any:
 
 #: what ties a saved optimizer state to the world that saved it (a sharded optimizer's copy in
 #: ``param_groups[0]`` names its replica)
-_OWNER_KEYS = ("world_size", "rank", "replica", "topology", "params")
+_OWNER_KEYS = ("world_size", "rank", "replica", "topology", "params", COPIES)

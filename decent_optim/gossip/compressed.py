@@ -27,6 +27,13 @@ its rank and the round, once until it sends finite values again: like torch.opti
 checks parameters, training goes on (a loss-spike handler or a reload may repair them), but
 not silently. Reading the note costs one host read of two flags per round, at the next launch.
 
+**Checkpoints.** A group's state -- the public copies, whether they are primed, the flags of
+the last round, and with a round in flight the payloads it sent -- is saved with the optimizer
+(:meth:`CompressedGroup.state`, :func:`loader`), so that a resume at the same world size goes on
+bit for bit: the round in flight is sent again with the saved payloads (the own copy already
+took them in, so encoding again would count them twice). At another world size the copies
+belong to groups that no longer exist: they are reset, and the first rounds send exact values.
+
 The steps are those of :mod:`~decent_optim.gossip.nodes`; member ``k`` of a part keeps the
 public copies of its shard only (:math:`p` shards of :math:`1/L` of each bucket). In step 2 it
 encodes :math:`q_a`, adds it to its own copy in the same pass, and sends it; in step 3 it adds
@@ -38,7 +45,8 @@ group (and the first after :meth:`CompressedGroup.reset`) has no public copies y
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,10 +56,12 @@ from decent_optim.gossip.exchange import Link
 from decent_optim.gossip.handle import NO_MIX, GossipHandle, PendingMix
 from decent_optim.gossip.nodes import AcrossNodes, Parts, post
 
-__all__ = ["GAMMA", "CompressedGroup", "mix_shard_"]
+__all__ = ["GAMMA", "CompressedGroup", "loader", "mix_shard_"]
 
 #: the consensus step size of the mix (1: with an exact codec, the plain group average)
 GAMMA = 1.0
+#: the keys of a group's saved state (:meth:`CompressedGroup.state`)
+_STATE_KEYS = {"copies", "primed", "flags", "reported", "round", "sent"}
 
 
 class CompressedGroup(AcrossNodes):
@@ -71,10 +81,58 @@ class CompressedGroup(AcrossNodes):
         self._flags: Tensor | None = None
         self._round = 0  # the round those flags are of
         self._reported = False  # the own non-finite values were reported (until they are finite)
+        self._sent: list[Tensor] | None = None  # the payloads of the round in flight
+        self._resend: tuple[int, list[Tensor]] | None = None  # (round, payloads) of a checkpoint
 
     def reset(self) -> None:
         """Forget the public copies: the next round sends exact values (all members must call it)."""
-        self._primed = False
+        self._primed, self._resend = False, None
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the group (module docstring), copied."""
+        flags = None if self._flags is None else [bool(v) for v in self._flags.tolist()]
+        return {
+            "copies": [[c.clone() for c in held] for held in self._copies] if self._layout else [],
+            "primed": self._primed,
+            "flags": flags,
+            "reported": self._reported,
+            "round": self._round,
+            "sent": None if self._sent is None else [p.clone() for p in self._sent],
+        }
+
+    def loader(self, state: Any, buffers: Sequence[Tensor]) -> Callable[[], None]:
+        """Check :meth:`state` of a checkpoint against this group's shards of ``buffers``;
+        returns what puts it back (after :meth:`reset`)."""
+        if not isinstance(state, dict) or set(state) != _STATE_KEYS:
+            raise ValueError(f"a group's entry must have the keys {sorted(_STATE_KEYS)}")
+        layout = [(hi - lo, b.dtype, b.device) for b in buffers for lo, hi in [self._bounds(b)]]
+        copies, sent = state["copies"], state["sent"]
+        fits = [[(n, dtype)] * len(self.parts.parts) for n, dtype, _ in layout]
+        if copies and [[(c.numel(), c.dtype) for c in held] for held in copies] != fits:
+            raise ValueError("its public copies do not fit this optimizer's buckets")
+        if sent is not None and [p.numel() for p in sent] != [
+            self.codec.nbytes(n) for n, _, _ in layout
+        ]:
+            raise ValueError("the payloads of its round in flight do not fit this codec's")
+
+        def restore() -> None:
+            self._copies = [
+                [c.to(device, dtype, copy=True) for c in held]
+                for held, (_, dtype, device) in zip(copies, layout)
+            ]
+            self._layout = layout if copies else []
+            self._primed = bool(state["primed"]) and bool(copies)
+            flags = state["flags"]
+            self._flags = None if flags is None else torch.tensor(flags, dtype=torch.bool)
+            self._reported, self._round = bool(state["reported"]), int(state["round"])
+            if sent is not None:
+                payloads = [p.to(device, copy=True) for p, (_, _, device) in zip(sent, layout)]
+                self._resend = (self._round, payloads)
+
+        return restore
+
+    def _bounds(self, buffer: Tensor) -> tuple[int, int]:
+        return self.parts.shard(buffer.numel(), self.parts.slot)
 
     def start(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
         parts, link, codec = self.parts, self.link, self.codec
@@ -83,13 +141,19 @@ class CompressedGroup(AcrossNodes):
         shards, own, means = self._shards(buffers, step)
         copies = self._copies_for(means)
         primed, peers = self._primed, parts.counterparts()
+        resend, self._resend = self._resend, None
+        if resend is not None and resend[0] != step:
+            resend = None
         outgoing: list[Tensor] = []
         incoming: list[list[Tensor]] = []
         for b, (m, held) in enumerate(zip(means, copies)):
             if primed:
                 size = codec.nbytes(m.numel())
                 out = link.scratch(("payload", b), size, torch.uint8, m.device)
-                codec.encode_(m, held[parts.mine], out, absorb=True)  # the own copy, now
+                if resend is not None:  # sent before a checkpoint: the own copy has it
+                    out.copy_(resend[1][b])
+                else:
+                    codec.encode_(m, held[parts.mine], out, absorb=True)  # the own copy, now
                 ins = [
                     link.scratch(("payload", b, k), size, torch.uint8, m.device)
                     for k in range(len(peers))
@@ -99,6 +163,7 @@ class CompressedGroup(AcrossNodes):
                 held[parts.mine].copy_(m)
             outgoing.append(out)
             incoming.append(ins)
+        self._sent = outgoing if primed else None
         sent_bad = self._any([self._nonfinite(out, primed) for out in outgoing])
         receives = [
             (buf, peer, b) for b, ins in enumerate(incoming) for peer, buf in zip(peers, ins)
@@ -114,7 +179,7 @@ class CompressedGroup(AcrossNodes):
             # what every holder of these copies received: the same payloads, the same answer
             got = [self._nonfinite(buf, primed) for ins in incoming for buf in ins]
             self._flags = torch.stack([sent_bad, self._any([sent_bad, *got])])
-            self._primed = True
+            self._primed, self._sent = True, None
             if parts.width > 1:
                 self._gather(buffers, shards, step)
             return [NO_MIX] * len(buffers)
@@ -160,6 +225,34 @@ class CompressedGroup(AcrossNodes):
             ]
             self._layout, self._primed = layout, False
         return self._copies
+
+
+def loader(
+    groups: Mapping[tuple[int, ...], CompressedGroup],
+    codec: Codec | None,
+    state: Any,
+    buffers: Sequence[Tensor],
+) -> Callable[[], None]:
+    """Check the saved state of a rank's compressed groups (``{"codec", "groups"}``, keyed by
+    ``"0,1"`` member lists); returns what restores it. Raises ValueError on a state that does
+    not fit; a state of another codec restores nothing (the copies start over)."""
+    if codec is None or not isinstance(state, dict) or state.get("codec") != codec.name:
+        return lambda: None
+    saved = state.get("groups")
+    names = {",".join(map(str, members)): group for members, group in groups.items()}
+    if not isinstance(saved, dict) or set(saved) != set(names):
+        got = sorted(saved) if isinstance(saved, dict) else saved
+        raise ValueError(
+            f"it holds the public copies of the compressed groups {got}, this rank's are "
+            f"{sorted(names)} (another topology or local_world_size)"
+        )
+    restores = [group.loader(saved[name], buffers) for name, group in names.items()]
+
+    def restore() -> None:
+        for one in restores:
+            one()
+
+    return restore
 
 
 def mix_shard_(

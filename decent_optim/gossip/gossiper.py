@@ -14,7 +14,7 @@ from torch import Tensor
 from decent_optim.gossip import codecs
 from decent_optim.gossip.allreduce import GroupAllReduce
 from decent_optim.gossip.collectives import identical, wait_bounded
-from decent_optim.gossip.compressed import CompressedGroup
+from decent_optim.gossip.compressed import CompressedGroup, loader
 from decent_optim.gossip.exchange import Exchange, Idle, Link
 from decent_optim.gossip.handle import DONE, NO_MIX, GossipError, GossipHandle, PendingMix
 from decent_optim.gossip.nodes import NodeAverage, Parts, post
@@ -56,6 +56,12 @@ class LocalGossiper:
 
     def reset(self) -> None:
         """Nothing to forget."""
+
+    def compressed_state(self) -> None:
+        """No compressed groups."""
+
+    def compressed_loader(self, state: Any, buffers: Sequence[Tensor]) -> Callable[[], None]:
+        return lambda: None  # nothing to restore
 
     def identical(self, values: Tensor, what: str = "") -> Callable[[], bool]:
         """No other rank to compare with."""
@@ -325,3 +331,14 @@ class Gossiper:
         """
         for exchange in self._compressed.values():
             exchange.reset()
+
+    def compressed_state(self) -> dict[str, Any] | None:
+        """This rank's compressed groups' state for a checkpoint; None without compression."""
+        if self._codec is None:
+            return None
+        groups = {",".join(map(str, m)): g.state() for m, g in self._compressed.items()}
+        return {"codec": self._codec.name, "groups": groups}
+
+    def compressed_loader(self, state: Any, buffers: Sequence[Tensor]) -> Callable[[], None]:
+        """Check a saved :meth:`compressed_state` against this rank (:func:`.compressed.loader`)."""
+        return loader(self._compressed, self._codec, state, buffers)

@@ -15,6 +15,13 @@ that the file is its own (same world size, rank or replica, and topology:
 compares the round (counter and round in flight) across the ranks. Any problem raises the same
 error on every rank, naming the ranks, instead of a late gossip error on some of them.
 
+With ``uneven=True`` the ranks' step counts differ by design: what must agree is the rounds
+(mixed, and in flight), which every rank passes in the same order; each rank resumes at its own
+step count (:func:`~decent_optim.optim.local_checkpoint.round_of`). With ``compression=`` the
+entry also keeps the public copies of the compressed groups (:data:`COPIES`,
+:mod:`~decent_optim.gossip.compressed`), restored at the same world size; without them (another
+world size, an older checkpoint) the first rounds send exact values.
+
 Without the entry -- a torch.optim checkpoint, e.g. from DDP training -- the counter is the
 largest per-parameter ``step`` in the state, or 0, which every rank loading the same file agrees
 on, and no round is in flight.
@@ -23,6 +30,7 @@ on, and no round is in flight.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +40,7 @@ from torch.optim import Optimizer
 from decent_optim import sharded
 from decent_optim.flat import FlatParams
 from decent_optim.gossip.dcp_guard import ReplicaGuard
+from decent_optim.optim import local_checkpoint
 from decent_optim.optim.agreement import Account, agree
 from decent_optim.optim.ownership import KEY, REPLICA, check_owner
 from decent_optim.optim.rounds import Rounds
@@ -68,12 +77,21 @@ class Checkpointed(Protocol):
     def rank(self) -> int: ...
 
 
-__all__ = ["KEY", "Checkpointed", "Resume", "agree_to_load", "load", "save"]
+__all__ = ["COPIES", "KEY", "Checkpointed", "Resume", "agree_to_load", "load", "save"]
+
+#: the key of compressed gossip's public copies in the entry
+COPIES = "public_copies"
 
 _HINTS = {
     "the round": "Every rank must load a checkpoint saved at the same step: save on every rank "
     "at the same step (not only where the loss improved), and call synchronize() before saving "
     "on every rank or on none",
+    local_checkpoint.ROUND: "With uneven=True the ranks take different numbers of steps, so "
+    "every rank must save at the same round, each at its own step: "
+    "decent_optim.checkpoint.save(root, model, opt, step=opt.round) at the first step where "
+    "opt.round reached the round to save (with torch.save, the same rule), on every rank",
+    "compressed gossip": "Every rank must load a checkpoint saved by the same run with the same "
+    "compression=",
 }
 
 
@@ -91,6 +109,9 @@ def save(optimizer: Checkpointed) -> dict[str, Any]:
         "topology": topology_key(optimizer.topology),
         "params": [list(pair) for pair in fingerprint(optimizer._flat.buffers)],
     }
+    copies = rounds.gossip.compressed_state()
+    if copies is not None:
+        packed[KEY][COPIES] = copies
     if any(b.mirror is not None for b in optimizer._flat.buckets):
         # torch.distributed.checkpoint keeps only "state" and "param_groups", and writes one
         # copy of what looks alike on every rank: the entries every rank shares ride along
@@ -132,6 +153,7 @@ def load(
     flat_state = optimizer._flat_state
     optimizer.state = flat_state.wrap(optimizer.state)
     optimizer._rounds.reset(resume.count, resume.pending)
+    resume.restore_copies()  # after the reset, which forgets them
     flat_state.rebind(optimizer.state, optimizer.param_groups)
     stash, optimizer._stash = optimizer._stash, None
     optimizer._flat.readopt_mirrors(type(optimizer).__name__)  # sharded: weights loaded since
@@ -147,6 +169,7 @@ class Resume:
     count: int
     pending: bool
     params: list[Any] | None  # the fingerprint of the parameters saved with it
+    restore_copies: Callable[[], None] = lambda: None  # compressed gossip's public copies
 
 
 def agree_to_load(
@@ -173,13 +196,37 @@ def agree_to_load(
             another_replica=another_replica,
         )
         flight = "a round in flight" if resume.pending else "no round in flight"
-        account.settings = [("the round", f"{resume.count} steps done, {flight}")]
+        entry = extra.get(local_checkpoint.ENTRY) if isinstance(extra, dict) else None
+        rounds = local_checkpoint.round_of(entry, resume.pending)
+        if rounds is None:
+            account.settings = [("the round", f"{resume.count} steps done, {flight}")]
+        else:  # uneven: the step counts differ by design
+            account.settings = [(local_checkpoint.ROUND, rounds)]
+        copies = extra.get(COPIES) if isinstance(extra, dict) and not another_replica else None
+        resume.restore_copies = _copies_loader(optimizer, copies)
+        codec = copies.get("codec") if isinstance(copies, dict) else None
+        saved = "no public copies saved" if codec is None else f"{codec} public copies saved"
+        account.settings.append(("compressed gossip", saved))
     except Exception as err:
         account.error, own = (type(err).__name__, str(err)), err
     name = type(optimizer).__name__
     timeout = getattr(optimizer._rounds.gossip, "timeout", None)
     agree(account, group, device, f"{name}.load_state_dict", own=own, hints=_HINTS, timeout=timeout)
     return resume
+
+
+def _copies_loader(optimizer: Checkpointed, copies: Any) -> Callable[[], None]:
+    """What restores the saved public copies of compressed gossip (checked now)."""
+    if copies is None:
+        return lambda: None
+    try:
+        return optimizer._rounds.gossip.compressed_loader(copies, optimizer._flat.buffers)
+    except Exception as err:
+        raise ValueError(
+            f"state_dict[{KEY!r}][{COPIES!r}] (compressed gossip's public copies) does not fit "
+            f"this optimizer: {err}. Build the optimizer with the settings of the saved run, "
+            "or delete that entry: the copies then start over with exact values"
+        ) from err
 
 
 def _read(extra: Any, state_dict: dict[str, Any]) -> Resume:

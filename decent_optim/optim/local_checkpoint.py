@@ -6,6 +6,10 @@ sent, or its outer parameters), with outer momentum the momentum buffer, and wit
 ``LocalOuterSGD`` the slow weights and their momentum. They are saved per parameter, in
 torch.optim's state-dict order, under the :data:`ENTRY` key of the package's entry, so that a
 resume in the middle of a period is exact. Every-step gossip saves nothing here.
+
+With ``uneven=True`` the entry also holds where the periods stand
+(:meth:`~decent_optim.optim.uneven.UnevenRounds.schedule_state`); its rounds, not the ranks'
+step counts, are what the ranks of one checkpoint must agree on (:func:`round_of`).
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from decent_optim.optim.local_steps import LocalRounds
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.uneven import UnevenRounds
 
-__all__ = ["ENTRY", "check", "restore", "save"]
+__all__ = ["ENTRY", "ROUND", "check", "restore", "round_of", "save"]
 
 #: the key of the anchors in ``state_dict()["decent_optim"]``
 ENTRY = "local_steps"
+#: the name of what the ranks of an uneven checkpoint must agree on (in agreement errors)
+ROUND = "the round (uneven=True)"
 
 
 def save(rounds: Rounds, params: list[Tensor]) -> dict[str, Any] | None:
@@ -44,6 +50,23 @@ def save(rounds: Rounds, params: list[Tensor]) -> dict[str, Any] | None:
             for p, view in zip(bucket.params, bucket.views(flat))
         }
     return entry
+
+
+def round_of(entry: Any, pending: bool) -> str | None:
+    """Where an uneven checkpoint stands in the rounds (the same on every rank saved at one
+    round, whatever its step count), or None for the other modes; raises on a bad entry."""
+    state = entry.get("uneven") if isinstance(entry, dict) else None
+    if state is None:
+        return None
+    numbers = [state.get(k) if isinstance(state, dict) else None for k in ("launched", "mixed")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in numbers):
+        raise ValueError(
+            f"state_dict['decent_optim'][{ENTRY!r}]['uneven'] must be what state_dict() saved "
+            f"(whole numbers of rounds launched and mixed), got {state!r}"
+        )
+    launched, mixed = numbers
+    flight = f"round {launched} in flight" if pending else "no round in flight"
+    return f"local_steps={entry.get('local_steps')}, {mixed} rounds mixed, {flight}"
 
 
 def check(rounds: Rounds, entry: Any) -> None:

@@ -30,7 +30,9 @@ same total :math:`S_k` at the same round. :attr:`UnevenRounds.progress` is
 steps, for learning-rate schedules), and after :meth:`UnevenRounds.stop_at` every rank stops
 after the step that mixes the first round with :math:`S_k / n + H` at the budget or beyond
 (every rank has then taken at least :math:`H` steps since it launched round :math:`k`), so none
-waits for a round that no one will send; a run ends at most a period past its budget.
+waits for a round that no one will send; a run ends at most a period past its budget. A
+checkpoint keeps these counters (:meth:`UnevenRounds.schedule_state`); loaded by another number
+of ranks, the progress goes on from the checkpoint's (:meth:`UnevenRounds.load_schedule_state`).
 
 **A cap on drift.** With ``uneven=Uneven(cap=c)`` a rank takes at most :math:`cH` steps
 after launching a round; at the :math:`cH`-th it waits for the round. A rank many times faster
@@ -99,6 +101,9 @@ class UnevenRounds(LocalRounds):
         self.since = 0  # steps since the last launch (since the start before the first)
         self.total: float | None = None  # the ranks' summed steps at the last mixed round
         self.count_at_launch = 0  # this rank's steps when it launched the last mixed round
+        # added to the count this rank sends with a round: the progress its steps before a
+        # resume at another world size stand for (0 otherwise; see load_schedule_state)
+        self.offset = 0.0
         self.budget: float | None = None
         self._stopped = False
         self._out = False  # round `launched` is in flight (its handle may be a no-op)
@@ -208,12 +213,16 @@ class UnevenRounds(LocalRounds):
             self._waiter.thread.join()
 
     def reset(self, count: int, in_flight: bool) -> None:
+        """Continue from a checkpoint at ``count`` steps as from a fresh start (no round mixed);
+        :meth:`load_schedule_state` then restores where the periods stood."""
         super().reset(count, in_flight)
         if self._waiter is not None:
             self._waiter.thread.join()
         if self._sum is not None:
             self._sum[0].discard()
         self._sum, self._out, self._waiter = None, False, None
+        self.launched = self.mixed = self.since = self.count_at_launch = 0
+        self.total, self.offset, self._stopped = None, 0.0, False
 
     def schedule_state(self) -> dict[str, object]:
         """What a checkpoint keeps besides the anchors (see local_checkpoint)."""
@@ -224,16 +233,37 @@ class UnevenRounds(LocalRounds):
             "total": self.total,
             "count_at_launch": self.count_at_launch,
             "sum_count": None if self._sum is None else self._sum[2],
+            "offset": self.offset,
+            "world_size": self.gossip.world_size,
         }
 
     def load_schedule_state(self, state: dict[str, object]) -> None:
-        """Take back :meth:`schedule_state` (after :meth:`reset`)."""
+        r"""Take back :meth:`schedule_state` (after :meth:`reset`).
+
+        Saved by a world of another size (a resize by ``checkpoint.load``), the round in flight
+        is dropped (the resize leaves none pending) and the clock carries over: the total
+        :math:`S_k` of the last mixed round becomes :math:`n S_k / n_{old}`, so the progress,
+        :math:`S_k / n_{old} + c - c_k`, is what it was, and the rank sends
+        :math:`c + S_k / n_{old} - c_k` with its rounds instead of its count :math:`c`
+        (:attr:`offset`): the first round mixed in the new world sums to :math:`n S_k / n_{old}`
+        plus every rank's steps since, and the progress goes on without a jump.
+        """
+        get = state.get
         self.launched, self.mixed = int(state["launched"]), int(state["mixed"])  # type: ignore[call-overload]
         self.since = int(state["since"])  # type: ignore[call-overload]
         self.total = None if state["total"] is None else float(state["total"])  # type: ignore[arg-type]
         self.count_at_launch = int(state["count_at_launch"])  # type: ignore[call-overload]
+        self.offset = float(get("offset", 0.0))  # type: ignore[arg-type]
         sent = state["sum_count"]
         self._resend_count = self.count if sent is None else int(sent)  # type: ignore[call-overload]
+        if not self.in_flight:  # a resize dropped the round in flight: it is launched anew
+            self.launched = self.mixed
+        saved_world = get("world_size") or self.gossip.world_size
+        if saved_world != self.gossip.world_size and self.total is not None:
+            progress = self.total / saved_world  # type: ignore[operator]
+            self.total = progress * self.gossip.world_size
+            self.offset = progress - self.count_at_launch
+        self._check_budget()
 
     # -- internals -------------------------------------------------------------------------------
     _resend_count = 0
@@ -242,7 +272,7 @@ class UnevenRounds(LocalRounds):
         """Launch round :attr:`launched` with the anchors, and the sum of the step counts
         (``count``: this rank's steps when it launched the round)."""
         self._pending = self._start()
-        values = torch.tensor([float(count)], dtype=torch.float64)
+        values = torch.tensor([float(count) + self.offset], dtype=torch.float64)
         what = f"the step counts of round {self.launched}"
         self._sum = (self.gossip.sum_async(values, what, HINT), values, count)
         self._out = True

@@ -1,0 +1,132 @@
+"""``compression="int8"`` resumes bit for bit: the public copies travel with the checkpoint.
+
+Every rank is a node (``local_world_size=1``), so every exchange is compressed. Each run is
+saved mid-run (a round in flight, or synchronized), resumed by new optimizers in a new task,
+and compared with the uninterrupted run with ``torch.equal``. At another world size the copies
+cannot carry over: they start over with exact values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _harness import run_world
+from test_optim_multiprocess import OPTIMIZERS, _loss, _model, _param_groups
+from test_uneven import _vector
+from test_uneven_checkpoints import PERIODS, _mixing_step, _resumed, _straight
+
+from decent_optim import checkpoint
+
+NAME = "DecentralizedAdamW"
+
+
+def _build(model, topology, local_steps, uneven):
+    cls, kwargs, *_ = OPTIMIZERS[NAME]
+    opt = cls(
+        _param_groups(model),
+        **kwargs,
+        topology=topology,
+        bucket_cap_mb=64 / 2**20,  # several buckets per group
+        local_steps=local_steps,
+        uneven=uneven,
+        compression="int8",
+        local_world_size=1,
+        timeout=60,
+    )
+    opt.stop_at(10**6)  # uneven=True steps only with a budget; the tests' loops end first
+    return opt
+
+
+def _run(rank, n, folder, topology, local_steps, uneven, save_at, sync, steps, resume):
+    """``steps`` steps; the uninterrupted run saves after ``save_at`` (after synchronize() with
+    ``sync``), the resumed one starts from that file. Rounds of ``uneven=True`` are given time
+    to arrive before each step, so that they are mixed where the step-locked schedule mixes."""
+    model = _model()
+    opt = _build(model, topology, local_steps, uneven)
+    path = Path(folder, f"rank{rank}.pt")
+    start = 0
+    if resume:
+        state = torch.load(path, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = save_at
+    for t in range(start, steps):
+        waiter = getattr(opt._rounds, "_waiter", None)
+        if waiter is not None:
+            waiter.thread.join()
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        opt.step()
+        if t + 1 == save_at and not resume:
+            if sync:
+                opt.synchronize()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    return _vector(model)
+
+
+CASES = [  # (topology, n, local_steps, uneven, save_at, sync)
+    ("ring", 4, 1, False, 7, False),  # every-step gossip, a round in flight
+    ("complete", 3, 1, False, 7, True),  # ... synchronized before saving
+    ("complete", 3, 1, False, 8, False),  # groups of three parts
+    ("ring", 4, 3, False, 7, False),  # local steps, mid-period
+    ("ring", 2, 3, False, 6, False),  # ... right after a launch
+    ("ring", 3, 3, True, 7, False),  # uneven=True, rounds in time
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("topology, n, local_steps, uneven, save_at, sync", CASES, ids=str)
+def test_int8_resumes_bit_for_bit(topology, n, local_steps, uneven, save_at, sync, tmp_path):
+    args = (str(tmp_path), topology, local_steps, uneven, save_at, sync, 16)
+    straight = run_world(_run, n, *args, False)
+    resumed = run_world(_run, n, *args, True)
+    assert not torch.equal(straight[0], straight[1]), "the ranks should differ"
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["checkpoint.load", "load_state_dict"])
+def test_int8_resumes_bit_for_bit_with_really_uneven_ranks(how, tmp_path):
+    options = dict(compression="int8", local_world_size=1)
+    save_round, until = 3, 6
+    straight = run_world(_straight, 2, str(tmp_path), PERIODS, save_round, until, options)
+    for rank, (_, mixed_at, _, _) in enumerate(straight):
+        assert mixed_at == [_mixing_step(PERIODS[rank], j) for j in range(1, until + 1)]
+    counts = [saved["count"] for *_, saved in straight]
+    assert counts[0] > counts[1], counts
+    resumed = run_world(_resumed, 2, str(tmp_path), PERIODS, until, how, options)
+    for (x, *_), (y, *_) in zip(straight, resumed):
+        assert torch.equal(x, y)
+
+
+def _resize(rank, n, folder, stage):
+    """Stage "save": 3 ranks save a directory checkpoint mid-run; "load": 2 ranks resume it."""
+    model = _model()
+    opt = _build(model, "ring", 1, False)
+    root = Path(folder, "ckpt")
+    if stage == "save":
+        for t in range(5):
+            opt.zero_grad()
+            _loss(model, rank, t).backward()
+            opt.step()
+        checkpoint.save(root, model, opt, step=5)
+        checkpoint.wait(root)
+        return None
+    checkpoint.load(root, model, opt)
+    groups = opt._rounds.gossip._compressed.values()
+    primed = [g._primed for g in groups]  # after a resize: no public copies (exact values next)
+    for t in range(5, 9):
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        opt.step()
+    return primed, bool(torch.isfinite(_vector(model)).all())
+
+
+@pytest.mark.multiprocess
+def test_at_another_world_size_the_copies_start_over(tmp_path):
+    run_world(_resize, 3, str(tmp_path), "save")
+    for primed, finite in run_world(_resize, 2, str(tmp_path), "load"):
+        assert primed == [False] and finite
