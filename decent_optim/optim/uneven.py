@@ -47,9 +47,8 @@ that some rank calls at another round than the others cannot be matched with the
 package's own collectives compare :attr:`UnevenRounds.round` first (:meth:`check_round`) and
 raise on every rank when the ranks are at different rounds.
 
-**The loop.** Ranks take different numbers of steps, so a loop of ``for step in range(N)``
-would leave the ranks that end first silent while the others wait for their rounds. So
-:meth:`take` refuses to step before :meth:`stop_at`, with the loop to write instead.
+**The loop** ranks of uneven speed must write, and the checks that refuse others:
+:mod:`~decent_optim.optim.uneven_loop`.
 """
 
 from __future__ import annotations
@@ -60,26 +59,10 @@ import torch
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
-from decent_optim.gossip.collectives import comm_device
-from decent_optim.optim.agreement import Account, agree
 from decent_optim.optim.local_steps import LocalRounds
+from decent_optim.optim.uneven_loop import HINT, LOOP, check_same_round
 
-__all__ = ["HINT", "LOOP", "UnevenRounds"]
-
-#: the loop uneven ranks need, for the errors that send users to it
-LOOP = (
-    "opt.stop_at(total_steps) before the loop, then `while not opt.stopped: ... opt.step()`, "
-    "with collectives (opt.averaged(), checkpoints) at rounds: `if opt.round % k == 0 and "
-    "opt.round != last:` (see docs/uneven_hardware)"
-)
-
-#: what usually stops a neighbour's rounds in this mode (GossipError's hint)
-HINT = (
-    "With uneven=True a peer also stops sending rounds when it left its training loop before "
-    "opt.stopped turned true (a `for step in range(N)` loop: ranks take different numbers of "
-    "steps, an early `break`), stopped at another budget, or waits in a collective that it "
-    "called at another round. Every rank needs the same loop: " + LOOP
-)
+__all__ = ["UnevenRounds"]
 
 
 class UnevenRounds(LocalRounds):
@@ -141,17 +124,8 @@ class UnevenRounds(LocalRounds):
 
     def check_round(self, what: str) -> None:
         """Raise the same error on every rank if they call the collective ``what`` at
-        different rounds (a small all-gather first; nothing in a world of one)."""
-        group = getattr(self.gossip, "group", None)
-        if group is None:
-            return
-        account = Account(settings=[("the round", f"opt.round {self.round}")])
-        hint = (
-            "With uneven=True ranks reach the same step count at different rounds, so "
-            f"collectives go at rounds, not at step counts (`t % k == 0`): {LOOP}"
-        )
-        timeout = getattr(self.gossip, "timeout", None)
-        agree(account, group, comm_device(group), what, hints={"the round": hint}, timeout=timeout)
+        different rounds (:func:`~decent_optim.optim.uneven_loop.check_same_round`)."""
+        check_same_round(self.gossip, self.round, what)
 
     def take(self) -> None:  # type: ignore[override]
         """Before a step's update: mix the round in flight if it has arrived (no waiting)."""
