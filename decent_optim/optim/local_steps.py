@@ -161,6 +161,7 @@ class LocalRounds(Rounds):
                 ]
                 self.momentum = [b for b in bufs if b is not None] or None
         self._pending = self._start()
+        self._sent = True
         if self.outer is not None:
             # waited for now, not overlapped with the next period: starting a period from the
             # unmixed outer step, which DiLoCo's rates amplify about 7x, trained far worse
@@ -208,7 +209,7 @@ class LocalRounds(Rounds):
         if self._relaunch:  # a checkpoint saved with the round in flight: send it again
             self._relaunch = False
             self._pending = self._start()
-        handle, self._pending = self._pending, None
+        handle, self._pending, self._sent = self._pending, None, False
         if handle is None:
             return
         assert self.anchor is not None

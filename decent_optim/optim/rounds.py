@@ -42,6 +42,9 @@ class Rounds:
         self.gossip, self._flat, self._every = gossip, flat, global_avg_every
         self.count = 0  # completed steps; the next step waits on round `count`
         self._pending: GossipHandle | None = None
+        # a round was launched and is not mixed yet, also one this rank sits out (whose handle
+        # is None): every rank of a round must say alike whether it is in flight (checkpoints)
+        self._sent = False
         self._relaunch = False  # a loaded checkpoint had round `count` in flight
         self._params = [p for b in flat.buckets for p in b.params]
         self._versions: list[int] | None = None  # of the parameters when _pending was launched
@@ -70,7 +73,7 @@ class Rounds:
     @property
     def in_flight(self) -> bool:
         """Whether round :attr:`count` has been launched (or must be relaunched) and not mixed."""
-        return self._pending is not None or self._relaunch
+        return self._sent or self._relaunch
 
     def take(self) -> list[PendingMix] | None:
         """Wait for the round in flight; returns per bucket what is left of its mix (or None)."""
@@ -82,6 +85,7 @@ class Rounds:
         """Count a completed step and launch the round of its values."""
         self.count += 1
         self._pending = self._start()
+        self._sent = True
         self.record_versions()
 
     def synchronize(self) -> None:
@@ -115,9 +119,10 @@ class Rounds:
         if self._flat.moved():
             changed = self._flat.changed(owner)
             self.wait(check_writes=False)
-            if self._pending is not None and any(changed):
-                handle, self._pending = self._pending, None
-                handle.mix_()
+            if self._sent and any(changed):
+                handle, self._pending, self._sent = self._pending, None, False
+                if handle is not None:
+                    handle.mix_()
             self._flat.readopt(owner, changed)
             self.record_versions()  # the versions of the memory taken back
 
@@ -167,6 +172,7 @@ class Rounds:
             self._pending = None
         self.gossip.reset()  # public copies of compressed gossip: the next rounds send exact values
         self.count, self._relaunch, self._versions = count, in_flight, None
+        self._sent = False
 
     def _take(self) -> GossipHandle | None:
         self._check_versions()
@@ -174,7 +180,7 @@ class Rounds:
         if self._relaunch:
             self._relaunch = False
             self._pending = self._start()
-        handle, self._pending = self._pending, None
+        handle, self._pending, self._sent = self._pending, None, False
         return handle
 
     def _start(self) -> GossipHandle | None:
