@@ -53,8 +53,8 @@ from torch import Tensor
 
 from decent_optim.gossip.codecs import SLICE, Codec
 from decent_optim.gossip.exchange import Link
-from decent_optim.gossip.handle import NO_MIX, GossipHandle, PendingMix
-from decent_optim.gossip.nodes import AcrossNodes, Parts, post
+from decent_optim.gossip.handle import GossipHandle
+from decent_optim.gossip.nodes import AcrossNodes, Mix, Parts, post
 
 __all__ = ["GAMMA", "CompressedGroup", "loader", "mix_shard_"]
 
@@ -71,8 +71,8 @@ class CompressedGroup(AcrossNodes):
     the group, not to the round.
     """
 
-    def __init__(self, link: Link, parts: Parts, codec: Codec) -> None:
-        super().__init__(link, parts)
+    def __init__(self, link: Link, parts: Parts, codec: Codec, deferred: bool = False) -> None:
+        super().__init__(link, parts, deferred)
         self.codec = codec
         self._copies: list[list[Tensor]] = []  # per bucket: each part's public copy of the shard
         self._layout: list[tuple[int, torch.dtype, torch.device]] = []
@@ -135,10 +135,13 @@ class CompressedGroup(AcrossNodes):
         return self.parts.shard(buffer.numel(), self.parts.slot)
 
     def start(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
-        parts, link, codec = self.parts, self.link, self.codec
         self._check_last_round()
         self._round = step
-        shards, own, means = self._shards(buffers, step)
+        return self._launch(buffers, step, lambda means: self._across(means, step))
+
+    def _across(self, means: list[Tensor], step: int) -> tuple[list[tuple[Any, int | None]], Mix]:
+        """Steps 2 and 3 of the module docstring for the part's means of this rank's shards."""
+        parts, link, codec = self.parts, self.link, self.codec
         copies = self._copies_for(means)
         primed, peers = self._primed, parts.counterparts()
         resend, self._resend = self._resend, None
@@ -169,10 +172,9 @@ class CompressedGroup(AcrossNodes):
             (buf, peer, b) for b, ins in enumerate(incoming) for peer, buf in zip(peers, ins)
         ]
         sends = [(out, peer, b) for b, out in enumerate(outgoing) for peer in peers]
-        works = post(link, receives, sends)
 
-        def finish(defer_addend: bool) -> list[PendingMix]:
-            for b, x in enumerate(own):
+        def mix(out: list[Tensor]) -> None:
+            for b, x in enumerate(out):
                 acc = link.scratch("acc", min(SLICE, x.numel()), x.dtype, x.device)
                 payloads = incoming[b] if primed else None
                 mix_shard_(x, means[b], copies[b], parts.mine, payloads, codec, acc)
@@ -180,11 +182,8 @@ class CompressedGroup(AcrossNodes):
             got = [self._nonfinite(buf, primed) for ins in incoming for buf in ins]
             self._flags = torch.stack([sent_bad, self._any([sent_bad, *got])])
             self._primed, self._sent = True, None
-            if parts.width > 1:
-                self._gather(buffers, shards, step)
-            return [NO_MIX] * len(buffers)
 
-        return link.handle(works, finish, buffers, step)
+        return post(link, receives, sends), mix
 
     def _nonfinite(self, payload: Tensor, primed: bool) -> Tensor:
         """Whether a payload (exact values when not ``primed``) holds inf or NaN (0-d, device)."""
