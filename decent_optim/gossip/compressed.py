@@ -168,10 +168,13 @@ class CompressedGroup(AcrossNodes):
             incoming.append(ins)
         self._sent = outgoing if primed else None
         sent_bad = self._any([self._nonfinite(out, primed) for out in outgoing])
+        first = link.first_tag  # the optimizer slot's tags
         receives = [
-            (buf, peer, b) for b, ins in enumerate(incoming) for peer, buf in zip(peers, ins)
+            (buf, peer, first + b)
+            for b, ins in enumerate(incoming)
+            for peer, buf in zip(peers, ins)
         ]
-        sends = [(out, peer, b) for b, out in enumerate(outgoing) for peer in peers]
+        sends = [(out, peer, first + b) for b, out in enumerate(outgoing) for peer in peers]
 
         def mix(out: list[Tensor]) -> None:
             for b, x in enumerate(out):

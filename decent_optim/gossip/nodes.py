@@ -174,9 +174,9 @@ class AcrossNodes(Exchange):
             ]
             received.append(theirs)
             for (k, peer), r in zip(partners, theirs):
-                receives.append((r, peer, b))
+                receives.append((r, peer, link.first_tag + b))
                 a, z = parts.shard(buf.numel(), k)
-                sends.append((buf[a:z], peer, b))
+                sends.append((buf[a:z], peer, link.first_tag + b))
         return post(link, receives, sends), received
 
     def _part_means(
@@ -196,12 +196,12 @@ class AcrossNodes(Exchange):
         self, buffers: Sequence[Tensor], shards: list[tuple[int, int]]
     ) -> list[tuple[Any, int | None]]:
         """Step 4, posted: every member's mixed shard into every partner's buffers."""
-        receives, sends = [], []
+        receives, sends, first = [], [], self.link.first_tag
         for b, (buf, (lo, hi)) in enumerate(zip(buffers, shards)):
             for k, peer in self.parts.partners():
                 a, z = self.parts.shard(buf.numel(), k)
-                receives.append((buf[a:z], peer, b))
-                sends.append((buf[lo:hi], peer, b))
+                receives.append((buf[a:z], peer, first + b))
+                sends.append((buf[lo:hi], peer, first + b))
         return post(self.link, receives, sends)
 
     def _wait(self, works: list[tuple[Any, int | None]], step: int) -> None:
@@ -225,8 +225,11 @@ class NodeAverage(AcrossNodes):
                 ]
                 for b, m in enumerate(means)
             ]
-            receives = [(r, peer, b) for b, rs in enumerate(received) for peer, r in zip(peers, rs)]
-            sends = [(m, peer, b) for b, m in enumerate(means) for peer in peers]
+            first = link.first_tag  # the optimizer slot's tags
+            receives = [
+                (r, peer, first + b) for b, rs in enumerate(received) for peer, r in zip(peers, rs)
+            ]
+            sends = [(m, peer, first + b) for b, m in enumerate(means) for peer in peers]
 
             def mix(out: list[Tensor]) -> None:
                 for b, x in enumerate(out):
@@ -248,7 +251,8 @@ def post(
 ) -> list[tuple[Any, int | None]]:
     """Post ``(buffer, group rank, tag)`` receives, then sends; empty buffers are skipped.
 
-    Tags count from the link's first tag (the optimizer slot's range, as :class:`Link` says).
+    A bucket's tag is ``link.first_tag + bucket`` (the optimizer slot's range, as :class:`Link`
+    says), so that optimizers sharing a group never receive each other's messages.
 
     Receives go first for the reason :mod:`~decent_optim.gossip.p2p` gives. Both sides skip the
     same empty buffers: their sizes follow from the buffer sizes alone.
@@ -257,11 +261,7 @@ def post(
     for kind, items in ((dist.irecv, receives), (dist.isend, sends)):
         for buf, peer, tag in items:
             if buf.numel():
-                ops.append(
-                    dist.P2POp(
-                        kind, buf, link.global_ranks[peer], link.group, tag=link.first_tag + tag
-                    )
-                )
+                ops.append(dist.P2POp(kind, buf, link.global_ranks[peer], link.group, tag=tag))
                 peers.append(peer)
     if not ops:
         return []
