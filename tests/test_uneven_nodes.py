@@ -243,3 +243,39 @@ def test_deferred_rounds_give_the_step_locked_bits(topology, compression):
 def _start(rank: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(rank)
     return [torch.randn(3000, generator=gen).double(), torch.randn(7, generator=gen).double()]
+
+
+def _even(rank, n, uneven, steps, compression):
+    """Even ranks, each round given time to arrive before the next step (tests/test_uneven.py's
+    _run_even, on two ranks per node)."""
+    model = _model()
+    cls, kwargs, *_ = OPTIMIZERS[NAME]
+    opt = cls(
+        _param_groups(model),
+        **kwargs,
+        topology="complete",
+        local_steps=3,
+        uneven=uneven,
+        compression=compression,
+        local_world_size=LOCAL,
+        bucket_cap_mb=64 / 2**20,
+    )
+    opt.stop_at(10**6)  # the loop ends first
+    for t in range(steps):
+        waiter = getattr(opt._rounds, "_waiter", None)
+        if waiter is not None:
+            waiter.thread.join()
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        opt.step()
+    return _vector(model)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("compression", [None, "int8"])
+def test_rounds_that_arrive_in_time_give_step_locked_node_rounds_bit_for_bit(compression):
+    plain = run_world(_even, 4, False, 14, compression)
+    uneven = run_world(_even, 4, True, 14, compression)
+    for a, b in zip(plain, uneven):
+        assert torch.equal(a, b)
+    assert not torch.equal(plain[0], plain[1])
