@@ -14,13 +14,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import run_world
+from _harness import run_world, run_world_fresh
 from test_optim_multiprocess import OPTIMIZERS, _loss, _model, _param_groups
 from test_uneven import NAME, _reference, _vector
 from torch import nn
 
 import decent_optim as dopt
-from decent_optim.gossip import Gossiper
+from decent_optim.gossip import Gossiper, GossipError
 from decent_optim.topologies import get as get_topology
 
 LOCAL = 2  # ranks per node: ranks 0, 1 on node 0, ranks 2, 3 on node 1
@@ -36,8 +36,7 @@ def _build(model, topology, local_steps, uneven=True, **extra):
         local_steps=local_steps,
         uneven=uneven,
         local_world_size=LOCAL,
-        timeout=60,
-        **extra,
+        **{"timeout": 60, **extra},
     )
 
 
@@ -186,6 +185,35 @@ def test_a_slow_node_mate_does_not_slow_a_rank_down():
     during = sum(start < t < end for t in runs[0][0])
     # a launch that waited for its node-mate would stop rank 0 at its second launch
     assert during >= 10, f"rank 0 took {during} steps while its node-mate slept"
+
+
+def _mate_stops(rank, n):
+    """Rank 1 stops calling step() after 3 steps (alive, silent); the others step on."""
+    model = _model()
+    opt = _build(model, "complete", 2, timeout=3)
+    opt.stop_at(10**6)
+    started = time.monotonic()
+    try:
+        for t in range(400 if rank != 1 else 3):
+            opt.zero_grad()
+            _loss(model, rank, t).backward()
+            opt.step()
+            time.sleep(0.01)
+    except GossipError as err:
+        return "raised", time.monotonic() - started, str(err)
+    if rank == 1:
+        time.sleep(8)
+    return "finished", time.monotonic() - started, ""
+
+
+@pytest.mark.multiprocess
+def test_a_node_mate_that_stops_stepping_raises_within_the_timeout():
+    runs = run_world_fresh(_mate_stops, 4)
+    what, seconds, message = runs[0]
+    assert what == "raised", "rank 0 kept training without its node-mate"
+    assert seconds < 3 + 5, seconds
+    # its wait for the exchange inside the node names the node-mate
+    assert "round 2" in message and "peer(s) [1]" in message, message
 
 
 # -- the exchange itself: deferred rounds are the step-locked rounds' bits ---------------------

@@ -98,13 +98,9 @@ class Gossiper:
         by_node: whether a group with several ranks on each of several nodes is exchanged part
             by part (:mod:`~decent_optim.gossip.nodes`), which saves slow-link traffic (one copy
             per direction); False: every rank exchanges its own copy.
-        deferred: whether those part-by-part rounds wait for nobody at their launch: it only
-            posts transfers, and everything that waits for the node's other ranks (the part's
-            mean, the exchange between nodes, the gather) runs in
-            :meth:`GossipHandle.wait`, which the caller may run in a thread of its own (what
-            ranks of uneven speed need). The same bits as the step-locked rounds, for one more
-            pass over the buffers at the mix; the exchange between nodes starts only once
-            ``wait()`` runs.
+        deferred: whether those part-by-part rounds do all their waiting in
+            :meth:`GossipHandle.wait` (their launch only posts; same bits), which the caller may
+            run in a thread of its own: no launch waits for a node-mate (``uneven=True``).
 
     Sub-groups for all-reduce are created here, collectively: every rank of ``group`` must
     build its ``Gossiper`` at the same point of the program.

@@ -98,10 +98,9 @@ class GossipHandle:
     ``buffers`` up to what it returns per buffer as a :class:`PendingMix`: a scalar factor, and,
     when ``defer_addend`` is true and the round allows it, one received buffer still to add.
 
-    ``phases`` are the further exchanges of a round whose steps depend on what the earlier ones
-    received: :meth:`wait` runs each, in order, once the transfers before it completed; each
-    posts its own transfers and returns them as ``works``. They must not write ``buffers``
-    (only ``finish`` does). Each phase's transfers are waited for at most ``timeout``.
+    ``phases``: further exchanges that depend on what the earlier ones received; :meth:`wait`
+    runs each once the transfers before it completed, and it posts and returns its own. They
+    must not write ``buffers`` (only ``finish`` does).
     """
 
     def __init__(
@@ -146,13 +145,13 @@ class GossipHandle:
         return not self._phases and all(work.is_completed() for work, _ in self._works)
 
     def wait(self) -> None:
-        """Block until every send and receive of the round completed (at most ``timeout``).
+        """Block until every send and receive of the round completed (at most ``timeout``, and
+        as long again for each of its ``phases``, run here).
 
-        Runs the round's remaining ``phases`` too, each after the transfers before it (each
-        phase's transfers waited for at most ``timeout``). Raises :class:`GossipError` naming the
-        round (or check), the peers and the seconds waited: on a timeout, and on any transport
-        error; a closed connection (a dead peer's "Connection closed by peer" or "Connection
-        reset by peer") is reported as the peer being gone, not as a timeout.
+        Raises :class:`GossipError` naming the round (or check), the peers and the seconds waited:
+        on a timeout, and on any transport error; a closed connection (a dead peer's "Connection
+        closed by peer" or "Connection reset by peer") is reported as the peer being gone, not
+        as a timeout.
         """
         try:
             self._wait_works()
@@ -161,12 +160,8 @@ class GossipHandle:
                 try:
                     self._works = phase()
                 except RuntimeError as err:  # a dead peer's transport error, raised by a send
-                    if isinstance(err, GossipError):
-                        raise
-                    raise GossipError(
-                        f"[rank {self.rank}] {self.what}: posting its next exchange failed; a "
-                        f"peer has probably died. {PEER_GONE_HINT}. Cause: {err}"
-                    ) from err
+                    why = f"posting its next exchange failed. {PEER_GONE_HINT}. Cause: {err}"
+                    raise GossipError(f"[rank {self.rank}] {self.what}: {why}") from err
                 self._wait_works()
         except BaseException:
             self._phases = []  # a failed round posts nothing more
