@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -307,3 +308,41 @@ def test_rounds_that_arrive_in_time_give_step_locked_node_rounds_bit_for_bit(com
     for a, b in zip(plain, uneven):
         assert torch.equal(a, b)
     assert not torch.equal(plain[0], plain[1])
+
+
+def _resume(rank, n, folder, save_at, steps, resume):
+    """int8 on two ranks per node, rounds in time (as _even); the uninterrupted run saves after
+    ``save_at`` steps (a round in flight), the resumed one starts from that file."""
+    model = _model()
+    opt = _build(model, "complete", 3, compression="int8", bucket_cap_mb=64 / 2**20)
+    opt.stop_at(10**6)
+    path = Path(folder, f"rank{rank}.pt")
+    start = 0
+    if resume:
+        state = torch.load(path, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        opt.stop_at(10**6)
+        start = save_at
+    for t in range(start, steps):
+        waiter = getattr(opt._rounds, "_waiter", None)
+        if waiter is not None:
+            waiter.thread.join()  # the round's transfers (and its deferred steps) are done
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        opt.step()
+        if t + 1 == save_at and not resume:
+            waiter = opt._rounds._waiter
+            waiter.thread.join()  # saved after the deferred steps ran, before the mix
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    return _vector(model)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("save_at", [7, 8])  # a round in flight, one and two steps after its launch
+def test_int8_resumes_bit_for_bit_with_a_deferred_round_in_flight(save_at, tmp_path):
+    straight = run_world(_resume, 4, str(tmp_path), save_at, 16, False)
+    resumed = run_world(_resume, 4, str(tmp_path), save_at, 16, True)
+    assert not torch.equal(straight[0], straight[1]), "the ranks should differ"
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)

@@ -176,15 +176,39 @@ class CompressedGroup(AcrossNodes):
         ]
         sends = [(out, peer, first + b) for b, out in enumerate(outgoing) for peer in peers]
 
-        def mix(out: list[Tensor]) -> None:
+        # a deferred round writes its result in the handle's wait(), possibly long before the
+        # mix: the copies take the payloads only at the mix, so that a checkpoint in between
+        # holds what a step-locked round's would (the payloads of the round in flight)
+        staged = self.deferred and parts.width > 1
+
+        def mix(out: list[Tensor]) -> Callable[[], None] | None:
+            held = [list(c) for c in copies]
             for b, x in enumerate(out):
+                if staged and primed:
+                    for a, c in enumerate(copies[b]):
+                        if a != parts.mine:
+                            held[b][a] = link.scratch(
+                                ("staged", b, a), c.numel(), c.dtype, c.device
+                            )
+                            held[b][a].copy_(c)
                 acc = link.scratch("acc", min(SLICE, x.numel()), x.dtype, x.device)
                 payloads = incoming[b] if primed else None
-                mix_shard_(x, means[b], copies[b], parts.mine, payloads, codec, acc)
-            # what every holder of these copies received: the same payloads, the same answer
-            got = [self._nonfinite(buf, primed) for ins in incoming for buf in ins]
-            self._flags = torch.stack([sent_bad, self._any([sent_bad, *got])])
-            self._primed, self._sent = True, None
+                mix_shard_(x, means[b], held[b], parts.mine, payloads, codec, acc)
+
+            def commit() -> None:
+                for mine, new in zip(copies, held):
+                    for c, n in zip(mine, new):
+                        if c is not n:
+                            c.copy_(n)
+                # what every holder of these copies received: the same payloads, the same answer
+                got = [self._nonfinite(buf, primed) for ins in incoming for buf in ins]
+                self._flags = torch.stack([sent_bad, self._any([sent_bad, *got])])
+                self._primed, self._sent = True, None
+
+            if staged:
+                return commit
+            commit()
+            return None
 
         return post(link, receives, sends), mix
 

@@ -51,8 +51,9 @@ from decent_optim.gossip.handle import NO_MIX, GossipHandle, PendingMix
 
 __all__ = ["AcrossNodes", "NodeAverage", "Parts", "post"]
 
-#: step 3 of a round: writes this rank's shard of the result into the views it is given
-Mix = Callable[[list[Tensor]], None]
+#: step 3 of a round: writes this rank's shard of the result into the views it is given; returns
+#: what must wait for the mix itself (a deferred round's state changes), or None
+Mix = Callable[[list[Tensor]], Callable[[], None] | None]
 #: a strategy's step 2: posts it for the part's means; returns its transfers and its step 3
 Across = Callable[[list[Tensor]], tuple[list[tuple[Any, int | None]], Mix]]
 
@@ -128,7 +129,7 @@ class AcrossNodes(Exchange):
 
             return link.handle(works, finish_alone, buffers, step)
         first, received = self._post_parts(buffers, shards)
-        pending: list[Callable[[list[Tensor]], None]] = []
+        pending: list[Mix] = []
 
         def second() -> list[tuple[Any, int | None]]:
             works, mix = across(self._part_means(buffers, shards, received))
@@ -149,11 +150,15 @@ class AcrossNodes(Exchange):
         # caller may read them until it mixes (uneven rounds subtract the anchor first)
         result = link.receive_buffers(0, buffers)
 
+        left: list[Callable[[], None] | None] = []
+
         def third() -> list[tuple[Any, int | None]]:
-            pending[0]([r[lo:hi] for r, (lo, hi) in zip(result, shards)])
+            left.append(pending[0]([r[lo:hi] for r, (lo, hi) in zip(result, shards)]))
             return self._post_gather(result, shards)
 
         def copy_back(defer_addend: bool) -> list[PendingMix]:
+            if left[0] is not None:
+                left[0]()
             for buf, r in zip(buffers, result):
                 buf.copy_(r)
             return [NO_MIX] * len(buffers)
