@@ -62,14 +62,14 @@ def _run_uneven(rank, n, sleeps, budget, local_steps, topology="ring", compressi
     return _vector(model), steps, mixed_at, opt.progress, opt._rounds.mixed
 
 
-def _reference(n, topology, local_steps, runs):
+def _reference(n, topology, local_steps, runs, local_world_size=1):
     """The uneven schedule replayed in float64 from each rank's recorded mixing steps."""
     _, _, kind, hyper = OPTIMIZERS[NAME]
     model = _model()
     sizes = [p.numel() for p in model.parameters()]
     split = sum(sizes[:2])
     segments = [Segment(0, split, hyper), Segment(split, sum(sizes), {**hyper, **GROUP1})]
-    topo = get_topology(topology, n, 1)
+    topo = get_topology(topology, n, local_world_size)
     x = [_vector(model).double() for _ in range(n)]
     states = [[RefState() for _ in segments] for _ in range(n)]
     done = [0] * n  # steps taken by each rank

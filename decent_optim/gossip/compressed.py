@@ -53,8 +53,8 @@ from torch import Tensor
 
 from decent_optim.gossip.codecs import SLICE, Codec
 from decent_optim.gossip.exchange import Link
-from decent_optim.gossip.handle import NO_MIX, GossipHandle, PendingMix
-from decent_optim.gossip.nodes import AcrossNodes, Parts, post
+from decent_optim.gossip.handle import GossipHandle
+from decent_optim.gossip.nodes import AcrossNodes, Mix, Parts, post
 
 __all__ = ["GAMMA", "CompressedGroup", "loader", "mix_shard_"]
 
@@ -71,8 +71,8 @@ class CompressedGroup(AcrossNodes):
     the group, not to the round.
     """
 
-    def __init__(self, link: Link, parts: Parts, codec: Codec) -> None:
-        super().__init__(link, parts)
+    def __init__(self, link: Link, parts: Parts, codec: Codec, deferred: bool = False) -> None:
+        super().__init__(link, parts, deferred)
         self.codec = codec
         self._copies: list[list[Tensor]] = []  # per bucket: each part's public copy of the shard
         self._layout: list[tuple[int, torch.dtype, torch.device]] = []
@@ -135,10 +135,13 @@ class CompressedGroup(AcrossNodes):
         return self.parts.shard(buffer.numel(), self.parts.slot)
 
     def start(self, buffers: Sequence[Tensor], step: int) -> GossipHandle:
-        parts, link, codec = self.parts, self.link, self.codec
         self._check_last_round()
         self._round = step
-        shards, own, means = self._shards(buffers, step)
+        return self._launch(buffers, step, lambda means: self._across(means, step))
+
+    def _across(self, means: list[Tensor], step: int) -> tuple[list[tuple[Any, int | None]], Mix]:
+        """Steps 2 and 3 of the module docstring for the part's means of this rank's shards."""
+        parts, link, codec = self.parts, self.link, self.codec
         copies = self._copies_for(means)
         primed, peers = self._primed, parts.counterparts()
         resend, self._resend = self._resend, None
@@ -165,26 +168,49 @@ class CompressedGroup(AcrossNodes):
             incoming.append(ins)
         self._sent = outgoing if primed else None
         sent_bad = self._any([self._nonfinite(out, primed) for out in outgoing])
+        first = link.first_tag  # the optimizer slot's tags
         receives = [
-            (buf, peer, b) for b, ins in enumerate(incoming) for peer, buf in zip(peers, ins)
+            (buf, peer, first + b)
+            for b, ins in enumerate(incoming)
+            for peer, buf in zip(peers, ins)
         ]
-        sends = [(out, peer, b) for b, out in enumerate(outgoing) for peer in peers]
-        works = post(link, receives, sends)
+        sends = [(out, peer, first + b) for b, out in enumerate(outgoing) for peer in peers]
 
-        def finish(defer_addend: bool) -> list[PendingMix]:
-            for b, x in enumerate(own):
+        # a deferred round writes its result in the handle's wait(), possibly long before the
+        # mix: the copies take the payloads only at the mix, so that a checkpoint in between
+        # holds what a step-locked round's would (the payloads of the round in flight)
+        staged = self.deferred and parts.width > 1
+
+        def mix(out: list[Tensor]) -> Callable[[], None] | None:
+            held = [list(c) for c in copies]
+            for b, x in enumerate(out):
+                if staged and primed:
+                    for a, c in enumerate(copies[b]):
+                        if a != parts.mine:
+                            held[b][a] = link.scratch(
+                                ("staged", b, a), c.numel(), c.dtype, c.device
+                            )
+                            held[b][a].copy_(c)
                 acc = link.scratch("acc", min(SLICE, x.numel()), x.dtype, x.device)
                 payloads = incoming[b] if primed else None
-                mix_shard_(x, means[b], copies[b], parts.mine, payloads, codec, acc)
-            # what every holder of these copies received: the same payloads, the same answer
-            got = [self._nonfinite(buf, primed) for ins in incoming for buf in ins]
-            self._flags = torch.stack([sent_bad, self._any([sent_bad, *got])])
-            self._primed, self._sent = True, None
-            if parts.width > 1:
-                self._gather(buffers, shards, step)
-            return [NO_MIX] * len(buffers)
+                mix_shard_(x, means[b], held[b], parts.mine, payloads, codec, acc)
 
-        return link.handle(works, finish, buffers, step)
+            def commit() -> None:
+                for mine, new in zip(copies, held):
+                    for c, n in zip(mine, new):
+                        if c is not n:
+                            c.copy_(n)
+                # what every holder of these copies received: the same payloads, the same answer
+                got = [self._nonfinite(buf, primed) for ins in incoming for buf in ins]
+                self._flags = torch.stack([sent_bad, self._any([sent_bad, *got])])
+                self._primed, self._sent = True, None
+
+            if staged:
+                return commit
+            commit()
+            return None
+
+        return post(link, receives, sends), mix
 
     def _nonfinite(self, payload: Tensor, primed: bool) -> Tensor:
         """Whether a payload (exact values when not ``primed``) holds inf or NaN (0-d, device)."""

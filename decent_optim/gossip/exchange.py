@@ -102,8 +102,10 @@ class Link:
         finish: Callable[[bool], list[PendingMix]],
         buffers: Sequence[Tensor],
         step: int,
+        phases: Sequence[Callable[[], list[tuple[Any, int | None]]]] = (),
     ) -> GossipHandle:
-        """The handle of a round that holds the receive buffers until it is mixed or dropped."""
+        """The handle of a round that holds the receive buffers until it is mixed or dropped
+        (``phases``: the exchanges its :meth:`~GossipHandle.wait` runs after ``works``)."""
         self._in_flight = True
 
         def release() -> None:
@@ -118,6 +120,7 @@ class Link:
             timeout=self.timeout,
             on_close=release,
             hint=self.hint,
+            phases=phases,
         )
 
 

@@ -96,10 +96,11 @@ class Gossiper:
             (``"bf16"``, ``"int8"``) for the groups that cross nodes; needs every round to be a
             partition into uniform groups.
         by_node: whether a group with several ranks on each of several nodes is exchanged part
-            by part (:mod:`~decent_optim.gossip.nodes`), which saves slow-link traffic but
-            makes a round's launch and mix wait for the ranks of the same node. False: every
-            rank exchanges its own copy, and a round waits for nobody until it is mixed (what
-            ranks of uneven speed need).
+            by part (:mod:`~decent_optim.gossip.nodes`), which saves slow-link traffic (one copy
+            per direction); False: every rank exchanges its own copy.
+        deferred: whether those part-by-part rounds do all their waiting in
+            :meth:`GossipHandle.wait` (their launch only posts; same bits), which the caller may
+            run in a thread of its own: no launch waits for a node-mate (``uneven=True``).
 
     Sub-groups for all-reduce are created here, collectively: every rank of ``group`` must
     build its ``Gossiper`` at the same point of the program.
@@ -114,6 +115,7 @@ class Gossiper:
         slot: int = 0,
         compression: str | None = None,
         by_node: bool = True,
+        deferred: bool = False,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -144,6 +146,7 @@ class Gossiper:
         )
         self.topology, self.transport, self.timeout = topology, transport, timeout
         self._node_width = topology.local_world_size if by_node else 1
+        self._deferred = deferred
         self.group, self.rank, self.world_size = group, self._link.rank, world_size
         self._compressed: dict[tuple[int, ...], CompressedGroup] = {}
         subgroups = self._create_subgroups()
@@ -178,7 +181,9 @@ class Gossiper:
         found = self._compressed.get(members)
         if found is None:
             parts = Parts(members, self.rank, self._node_width)
-            found = CompressedGroup(self._link, parts, self._codec)  # type: ignore[arg-type]
+            codec = self._codec
+            assert codec is not None  # only groups that compress get here
+            found = CompressedGroup(self._link, parts, codec, self._deferred)
             self._compressed[members] = found
         return found
 
@@ -231,7 +236,8 @@ class Gossiper:
         if self._compresses(mine):
             return self._compressed_group(mine)
         if self._by_node(mine):
-            return NodeAverage(self._link, Parts(mine, self.rank, self.topology.local_world_size))
+            parts = Parts(mine, self.rank, self.topology.local_world_size)
+            return NodeAverage(self._link, parts, self._deferred)
         if self._uses_allreduce(mine):
             return GroupAllReduce(self._link, len(mine), subgroups[mine])
         return PointToPoint(self._link, self.topology)

@@ -1,7 +1,9 @@
 """A gossip round in flight: :class:`GossipHandle` waits for it (with a deadline) and mixes it.
 
 The last part of a mix can be left to the caller (:class:`PendingMix`): the optimizer then applies
-it inside its own update, which saves passes over the buffer."""
+it inside its own update, which saves passes over the buffer. A round of several exchanges in a
+row can leave all but the first to :meth:`GossipHandle.wait` (``phases``), so that its launch
+waits for nobody."""
 
 from __future__ import annotations
 
@@ -95,6 +97,10 @@ class GossipHandle:
     ``finish(defer_addend)`` (run once, after every transfer completed) writes the mix into
     ``buffers`` up to what it returns per buffer as a :class:`PendingMix`: a scalar factor, and,
     when ``defer_addend`` is true and the round allows it, one received buffer still to add.
+
+    ``phases``: further exchanges that depend on what the earlier ones received; :meth:`wait`
+    runs each once the transfers before it completed, and it posts and returns its own. They
+    must not write ``buffers`` (only ``finish`` does).
     """
 
     def __init__(
@@ -111,8 +117,10 @@ class GossipHandle:
         group_peers: Sequence[int] = (),
         hint: str | None = None,
         late: Callable[[], list[int]] | None = None,
+        phases: Sequence[Callable[[], list[tuple[Any, int | None]]]] = (),
     ) -> None:
         self._works = works  # (work, peer it talks to, or None for a group collective)
+        self._phases = list(phases)
         self._finish = finish
         self._buffers = list(buffers)
         self._on_close = on_close  # run once the received values are consumed or dropped
@@ -126,23 +134,40 @@ class GossipHandle:
     @property
     def is_noop(self) -> bool:
         """True for a round with nothing to exchange or mix (e.g. a rank sitting out)."""
-        return not self._works and self._finish is None
+        return not self._works and self._finish is None and not self._phases
 
     def ready(self) -> bool:
         """Whether every send and receive of the round has completed, without waiting.
 
-        A failed transfer counts as completed: :meth:`wait` then raises its error at once.
+        A failed transfer counts as completed: :meth:`wait` then raises its error at once. A
+        round with phases still to run is not ready: only :meth:`wait` runs them.
         """
-        return all(work.is_completed() for work, _ in self._works)
+        return not self._phases and all(work.is_completed() for work, _ in self._works)
 
     def wait(self) -> None:
-        """Block until every send and receive of the round completed (at most ``timeout``).
+        """Block until every send and receive of the round completed (at most ``timeout``, and
+        as long again for each of its ``phases``, run here).
 
         Raises :class:`GossipError` naming the round (or check), the peers and the seconds waited:
         on a timeout, and on any transport error; a closed connection (a dead peer's "Connection
         closed by peer" or "Connection reset by peer") is reported as the peer being gone, not
         as a timeout.
         """
+        try:
+            self._wait_works()
+            while self._phases:
+                phase = self._phases.pop(0)
+                try:
+                    self._works = phase()
+                except RuntimeError as err:  # a dead peer's transport error, raised by a send
+                    why = f"posting its next exchange failed. {PEER_GONE_HINT}. Cause: {err}"
+                    raise GossipError(f"[rank {self.rank}] {self.what}: {why}") from err
+                self._wait_works()
+        except BaseException:
+            self._phases = []  # a failed round posts nothing more
+            raise
+
+    def _wait_works(self) -> None:
         works, self._works = self._works, []
         start = time.monotonic()
         deadline = None if self.timeout is None else start + self.timeout.total_seconds()
@@ -249,7 +274,7 @@ class GossipHandle:
         return self._run_finish(True)
 
     def _run_finish(self, defer_addend: bool) -> list[PendingMix]:
-        if self._works:
+        if self._works or self._phases:
             raise RuntimeError("mix_() before wait(): the round is still in flight")
         finish, self._finish = self._finish, None
         pending = finish(defer_addend) if finish is not None else [NO_MIX] * len(self._buffers)

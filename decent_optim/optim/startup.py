@@ -172,6 +172,9 @@ def connect(
     """Steps 1-4 of the module docstring for the parameters of each param group in ``groups``.
 
     ``failure`` is an error the caller hit before (its arguments), reported to every rank.
+    ``by_node=False`` is for ranks that must not wait for one another at a round's launch
+    (``uneven=True``): groups that span nodes still average by node, one copy per direction
+    on the slow link, but their rounds are the Gossiper's ``deferred`` ones.
     """
     try:
         group, world_size = resolve_group(sharded.gossip_group(process_group))
@@ -236,7 +239,7 @@ def connect(
         timeout=timeout,
         slot=member.slot,
         compression=compression,
-        by_node=by_node,
+        deferred=not by_node,
     )
     return Connected(gossip, topo, flat, frozen, stash, member, group, device)
 
