@@ -7,7 +7,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -16,56 +15,18 @@ from decent_optim.gossip.allreduce import GroupAllReduce
 from decent_optim.gossip.collectives import identical, wait_bounded
 from decent_optim.gossip.compressed import CompressedGroup, loader
 from decent_optim.gossip.exchange import Exchange, Idle, Link
-from decent_optim.gossip.handle import DONE, NO_MIX, GossipError, GossipHandle, PendingMix
-from decent_optim.gossip.nodes import NodeAverage, Parts, post
+from decent_optim.gossip.handle import GossipError, GossipHandle
+from decent_optim.gossip.local import LocalGossiper
+from decent_optim.gossip.nodes import NodeAverage, Parts
 from decent_optim.gossip.p2p import PointToPoint
+from decent_optim.gossip.sums import sum_async
 from decent_optim.topologies import Topology
 
-__all__ = ["TRANSPORTS", "Gossiper", "LocalGossiper"]
+__all__ = ["TRANSPORTS", "Gossiper", "LocalGossiper"]  # LocalGossiper: gossip.local
 
 TRANSPORTS = ("auto", "p2p", "allreduce")
 #: point-to-point tags per optimizer slot (so at most this many buckets per optimizer)
 TAGS_PER_SLOT = 1 << 20
-
-
-class LocalGossiper:
-    """World of one (or no process group): nothing to exchange, mixing is the identity."""
-
-    rank = 0
-    world_size = 1
-    hint: str | None = None  # as Gossiper.hint (nothing fails here)
-
-    def __init__(self, topology: Topology | None = None) -> None:
-        del topology  # accepted so that both gossipers are built alike
-
-    def start(
-        self, buffers: Sequence[Tensor], step: int, *, global_average: bool = False
-    ) -> GossipHandle:
-        return DONE
-
-    def average_(self, tensors: Sequence[Tensor], what: str = "") -> None:
-        """The mean over one rank is the tensor itself."""
-
-    def sum_async(self, values: Tensor, what: str = "", hint: str | None = None) -> GossipHandle:
-        """The sum over one rank is the tensor itself."""
-        return DONE
-
-    def idle_buffer(self, index: int, like: Tensor) -> Tensor | None:
-        """No communication buffers in a world of one."""
-        return None
-
-    def reset(self) -> None:
-        """Nothing to forget."""
-
-    def compressed_state(self) -> None:
-        """No compressed groups."""
-
-    def compressed_loader(self, state: Any, buffers: Sequence[Tensor]) -> Callable[[], None]:
-        return lambda: None  # nothing to restore
-
-    def identical(self, values: Tensor, what: str = "") -> Callable[[], bool]:
-        """No other rank to compare with."""
-        return lambda: False
 
 
 class Gossiper:
@@ -287,38 +248,9 @@ class Gossiper:
     def sum_async(
         self, values: Tensor, what: str = "the step count", hint: str | None = None
     ) -> GossipHandle:
-        """Launch the sum of ``values`` (a small tensor) over the group's ranks, without waiting.
-
-        Point to point: every rank sends its values to every other, on a tag of its own, so
-        that the sum never matches a collective of the group (a barrier of the user's, an
-        evaluation's average) whatever order the ranks reach those in. Every rank launches its
-        sums in the same order. After the handle's :meth:`~GossipHandle.wait` (at most the
-        timeout; ``what`` and ``hint`` for its error) and :meth:`~GossipHandle.mix_`, ``values``
-        holds the sum, the same bits on every rank (added in rank order).
-        """
-        others = [r for r in range(self.world_size) if r != self.rank]
-        received = {r: torch.empty_like(values) for r in others}
-        tag = self._link.first_tag + TAGS_PER_SLOT - 1  # above every bucket's tag
-        own = values.clone()  # sent, and added in its place in the order
-        works = post(
-            self._link, [(received[r], r, tag) for r in others], [(own, r, tag) for r in others]
-        )
-
-        def finish(defer_addend: bool) -> list[PendingMix]:
-            values.zero_()
-            for r in range(self.world_size):
-                values.add_(own if r == self.rank else received[r])
-            return [NO_MIX]
-
-        return GossipHandle(
-            works,
-            finish,
-            buffers=[values],
-            rank=self.rank,
-            timeout=self.timeout,
-            what=what,
-            hint=hint,
-        )
+        """Launch the sum of ``values`` over the group's ranks without waiting
+        (:func:`~decent_optim.gossip.sums.sum_async`; ``what`` and ``hint`` for its error)."""
+        return sum_async(self._link, values, self._link.first_tag + TAGS_PER_SLOT - 1, what, hint)
 
     def identical(self, values: Tensor, what: str = "a check") -> Callable[[], bool]:
         """Whether every rank passed bit-identical, nonzero ``values``: a collective launched

@@ -190,7 +190,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
             global_avg_every=global_avg_every,
             compression=compression,
             local_steps=period.describe(),
-            by_node=period.uneven is None,
+            deferred=period.uneven is not None,
         )
         self.topology, self._member = start.topology, start.member
         self._where = (start.group, start.device)  # of load_state_dict's cross-check

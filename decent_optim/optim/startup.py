@@ -167,12 +167,12 @@ def connect(
     global_avg_every: int | None,
     compression: str | None = None,
     local_steps: str = "1, outer None",
-    by_node: bool = True,
+    deferred: bool = False,
 ) -> Connected:
     """Steps 1-4 of the module docstring for the parameters of each param group in ``groups``.
 
     ``failure`` is an error the caller hit before (its arguments), reported to every rank.
-    ``by_node=False`` is for ranks that must not wait for one another at a round's launch
+    ``deferred=True`` is for ranks that must not wait for one another at a round's launch
     (``uneven=True``): groups that span nodes still average by node, one copy per direction
     on the slow link, but their rounds are the Gossiper's ``deferred`` ones.
     """
@@ -239,7 +239,7 @@ def connect(
         timeout=timeout,
         slot=member.slot,
         compression=compression,
-        deferred=not by_node,
+        deferred=deferred,
     )
     return Connected(gossip, topo, flat, frozen, stash, member, group, device)
 
