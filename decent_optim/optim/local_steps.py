@@ -161,7 +161,7 @@ class LocalRounds(Rounds):
                 ]
                 self.momentum = [b for b in bufs if b is not None] or None
         self._pending = self._start()
-        self._sent = True
+        self._sent = self.gossip.world_size > 1  # a world of one has no rounds to resend
         if self.outer is not None:
             # waited for now, not overlapped with the next period: starting a period from the
             # unmixed outer step, which DiLoCo's rates amplify about 7x, trained far worse

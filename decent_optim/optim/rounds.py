@@ -85,7 +85,7 @@ class Rounds:
         """Count a completed step and launch the round of its values."""
         self.count += 1
         self._pending = self._start()
-        self._sent = True
+        self._sent = self.gossip.world_size > 1  # a world of one has no rounds to resend
         self.record_versions()
 
     def synchronize(self) -> None:
