@@ -37,7 +37,9 @@ Methods (``--methods``):
 * tuning suffixes: ``:x<f>`` sets a ``decent`` or ``diloco`` method's peak rate to ``--lr`` x
   f; ``:olr<lr>:om<momentum>`` set DiLoCo's outer rates (or those of ``:slow<every>``, which
   gives ``decent`` ``outer=LocalOuterSGD(every=every)``: an outer Nesterov step on each rank's
-  slow weights every ``every`` steps, at ``--lr`` x ``--decent-lr-factor`` unless ``:x``).
+  slow weights every ``every`` steps, at ``--lr`` x ``--decent-lr-factor`` unless ``:x``);
+  with ``:uneven``, ``:fixed`` keeps every rank's period at ``h`` (``Uneven(adaptive=False)``)
+  and ``:cap<c>`` sets ``Uneven(cap=c)``.
 
 Uneven or emulated hardware (``_devices.py``): ``--device-ms D`` pads every step, after its
 forward and backward and before any communication, to D ms of emulated device time (DDP's
@@ -94,6 +96,8 @@ def parse_method(method: str) -> dict:
         "outer": False,
         "avg": False,
         "uneven": False,
+        "fixed": False,
+        "cap": None,
         "slow": None,
         "x": None,
         "olr": None,
@@ -112,6 +116,10 @@ def parse_method(method: str) -> dict:
             out["avg"] = True
         elif p == "uneven" and kind == "decent":
             out["uneven"] = True
+        elif p == "fixed" and kind == "decent":
+            out["fixed"] = True
+        elif p.startswith("cap") and kind == "decent":
+            out["cap"] = float(p[3:])
         elif p.startswith("slow") and kind == "decent":
             out["slow"] = int(p[4:])
         elif p.startswith("x") and kind in ("decent", "diloco"):
@@ -124,9 +132,19 @@ def parse_method(method: str) -> dict:
             raise SystemExit(f"bad method {method!r}: unknown part {p!r}")
     if kind not in ("ddp", "decent", "decentdp", "diloco"):
         raise SystemExit(f"unknown method {method!r}")
+    if (out["fixed"] or out["cap"] is not None) and not out["uneven"]:
+        raise SystemExit(f"bad method {method!r}: fixed/cap<c> need :uneven")
     if (out["olr"] is not None or out["om"] is not None) and not (kind == "diloco" or out["slow"]):
         raise SystemExit(f"bad method {method!r}: olr/om need diloco or :slow<every>")
     return out
+
+
+def _uneven_setting(dopt, m: dict):
+    """``uneven=`` for a ``decent`` method: False, or an ``Uneven`` with its suffixes."""
+    if not m["uneven"]:
+        return False
+    cap = 8 if m["cap"] is None else m["cap"]
+    return dopt.Uneven(cap=cap, adaptive=not m["fixed"])
 
 
 # -- one method on this rank ------------------------------------------------------------------------
@@ -192,7 +210,7 @@ def worker(args) -> None:
             compression=m["compression"],
             local_steps=m["H"],
             outer=outer,
-            uneven=m["uneven"],
+            uneven=_uneven_setting(dopt, m),
         )
     elif m["kind"] == "diloco":
         sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -6,7 +6,8 @@
 #   SHAPE=4x1 RATES="1gbit 100mbit" SEEDS="0 1" HARDWARE="even half" benchmarks/uneven_ttq.sh
 # Results: benchmarks/results/ttq_<rate>_uneven<TAG>_<shape>_<hardware>_s<seed>.{md,csv,json}
 # (TAG: empty by default; another for another set of methods, e.g. TAG=-h2). UNEVEN_BUDGET: the
-# uneven methods' budget in DDP-equivalent steps x STEPS (default 1.5; they train to it).
+# uneven methods' budget in DDP-equivalent steps x STEPS (default 1.5; they train to it). TTQ_EXTRA:
+# more options for time_to_quality.py (e.g. --global-batch 128).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 shape=${SHAPE:-2x2}
@@ -29,7 +30,7 @@ for rate in ${RATES:-100mbit}; do
       esac
       TTQ_PLOT=0 TTQ_NODES=$nodes TTQ_NPROC=$nproc TTQ_SUFFIX="_uneven${TAG:-}_${shape}_${hardware}_s${seed}" \
       TTQ_ARGS="--steps $steps --warmup $((steps / 5)) --eval-every $((steps / 25)) --seed $seed \
-        --max-steps-factor 1.5 --uneven-budget-factor ${UNEVEN_BUDGET:-1.5} --time-limit-factor 2.5 $devices --methods $methods" \
+        --max-steps-factor 1.5 --uneven-budget-factor ${UNEVEN_BUDGET:-1.5} --time-limit-factor 2.5 $devices ${TTQ_EXTRA:-} --methods $methods" \
         benchmarks/time_to_quality.sh "$rate"
     done
   done

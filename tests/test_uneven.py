@@ -30,7 +30,7 @@ def _vector(model: nn.Module) -> torch.Tensor:
     return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
 
 
-def _build(model, topology="ring", local_steps=3, **extra):
+def _build(model, topology="ring", local_steps=3, uneven=True, **extra):
     cls, kwargs, *_ = OPTIMIZERS[NAME]
     return cls(
         _param_groups(model),
@@ -38,16 +38,18 @@ def _build(model, topology="ring", local_steps=3, **extra):
         topology=topology,
         bucket_cap_mb=64 / 2**20,  # several buckets per group
         local_steps=local_steps,
-        uneven=True,
+        uneven=uneven,
         **extra,
     )
 
 
-def _run_uneven(rank, n, sleeps, budget, local_steps, topology="ring", compression=None):
+def _run_uneven(
+    rank, n, sleeps, budget, local_steps, topology="ring", compression=None, uneven=True
+):
     """Train until the budget with ``sleeps[rank]`` seconds per step; returns the parameters,
     the steps taken, the (0-based) steps whose take() mixed a round, and the progress."""
     model = _model()
-    opt = _build(model, topology, local_steps, compression=compression, timeout=60)
+    opt = _build(model, topology, local_steps, compression=compression, timeout=60, uneven=uneven)
     opt.stop_at(budget)
     steps, mixed_at = 0, []
     while not opt.stopped:

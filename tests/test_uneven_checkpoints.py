@@ -27,14 +27,17 @@ from _harness import run_world
 from test_optim_multiprocess import OPTIMIZERS, _loss, _model, _param_groups
 from test_uneven import NAME, _vector
 
+import decent_optim as dopt
 from decent_optim import checkpoint
 from decent_optim.optim.agreement import AgreementError
 
 H = 2  # local_steps
 PERIODS = (2 * H, H)  # rank 0 takes twice the steps of rank 1 per period
+# the planned schedule fixes every rank's period; adaptive periods: tests/test_uneven_periods.py
+FIXED = dopt.Uneven(adaptive=False)
 
 
-def _build(model, local_steps=H, uneven=True, **extra):
+def _build(model, local_steps=H, uneven=FIXED, **extra):
     cls, kwargs, *_ = OPTIMIZERS[NAME]
     opt = cls(
         _param_groups(model),

@@ -40,9 +40,15 @@ class Uneven:
     mixing it; at the last of them it waits for the round (None: never waits). It bounds how
     far the fastest rank drifts from its neighbours within a period when the speeds differ by
     more than ``cap`` times: the cluster then runs at ``cap`` times its slowest rank's pace.
+
+    ``adaptive``: a rank that took fewer steps than the ranks' mean in the last period takes
+    proportionally fewer (at least one) before it launches the next round, so that a slow rank
+    does not stretch every period to ``local_steps`` of its own slow steps while the others drift
+    (:mod:`~decent_optim.optim.uneven`). On even hardware it changes nothing.
     """
 
     cap: float | None = 8
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         cap = self.cap
@@ -53,6 +59,8 @@ class Uneven:
                     f"steps) or None (no cap), got {cap!r}"
                 )
             object.__setattr__(self, "cap", float(cap))
+        if not isinstance(self.adaptive, bool):
+            raise TypeError(f"Uneven.adaptive must be True or False, got {self.adaptive!r}")
 
 
 @dataclass(frozen=True)
@@ -137,10 +145,11 @@ def make_rounds(
 ) -> Rounds:
     """The rounds of an optimizer with ``schedule`` (module docstring)."""
     if schedule.uneven is not None and isinstance(schedule.outer, LocalOuterSGD):
-        cap = schedule.uneven.cap
-        return UnevenOuterRounds(gossip, flat, schedule.local_steps, schedule.outer, cap)
+        cap, adaptive = schedule.uneven.cap, schedule.uneven.adaptive
+        return UnevenOuterRounds(gossip, flat, schedule.local_steps, schedule.outer, cap, adaptive)
     if schedule.uneven is not None:
-        return UnevenRounds(gossip, flat, schedule.local_steps, schedule.uneven.cap)
+        cap, adaptive = schedule.uneven.cap, schedule.uneven.adaptive
+        return UnevenRounds(gossip, flat, schedule.local_steps, cap, adaptive)
     if schedule.local_steps == 1 and schedule.outer is None:
         return Rounds(gossip, flat, global_avg_every)
     if isinstance(schedule.outer, LocalOuterSGD):

@@ -38,14 +38,26 @@ of ranks, the progress goes on from the checkpoint's (:meth:`UnevenRounds.load_s
 after launching a round; at the :math:`cH`-th it waits for the round. A rank many times faster
 than its slowest neighbour would otherwise drift through as many steps of its own per period.
 
-**Asking without waiting.** A background thread waits for each round's transfers (gloo's
-point-to-point works say they are complete only once waited for), and the step asks whether it
-is done. That wait is bounded by the optimizer's ``timeout``, so a neighbour that died or stopped
-calling ``step()`` raises :class:`~decent_optim.gossip.GossipError` at the next step. The sums
-of the step counts travel point to point (never as a collective of the group), so a collective
-that some rank calls at another round than the others cannot be matched with them: the
-package's own collectives compare :attr:`UnevenRounds.round` first (:meth:`check_round`) and
-raise on every rank when the ranks are at different rounds.
+**Shorter periods for slow ranks.** A period lasts as long as its slowest rank needs for its
+:math:`H` steps, and the others fill it: with one rank at a quarter speed every other rank takes
+:math:`4H` steps between mixes, and drifts as far. With ``Uneven(adaptive=True)`` (the default)
+a rank that took :math:`c_i` steps between its last two launches, where the ranks took
+:math:`\bar c = (S_k - S_{k-1}) / n` on average, takes
+
+.. math::
+    m_i = \min\left(H, \max\left(1, \left\lfloor H c_i / \bar c + \tfrac12 \right\rfloor\right)\right)
+
+steps before it launches its next round (at least one, never more than :math:`H`), so the
+periods last about :math:`H` steps of an average rank instead of :math:`H` of the slowest. Every
+number comes from the rounds' sums, so where the rounds arrive as before the periods are as
+before; on even hardware every :math:`c_i = \bar c = H` and :math:`m_i = H`: the rounds above.
+
+**Asking without waiting.** Each round's transfers are waited for in a thread
+(:mod:`~decent_optim.optim.waiter`), bounded by the optimizer's ``timeout``: a neighbour that died
+or stopped calling ``step()`` raises :class:`~decent_optim.gossip.GossipError` at the next step.
+The step counts are summed point to point (:mod:`~decent_optim.gossip.sums`), never by a
+collective that a rank at another round could match; the package's own collectives compare
+:attr:`UnevenRounds.round` first (:meth:`check_round`).
 
 **The loop** ranks of uneven speed must write, and the checks that refuse others:
 :mod:`~decent_optim.optim.uneven_loop`.
@@ -53,14 +65,13 @@ raise on every rank when the ranks are at different rounds.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
 from decent_optim.optim.local_steps import LocalRounds
 from decent_optim.optim.uneven_loop import HINT, LOOP, check_same_round
+from decent_optim.optim.waiter import Waiter
 
 __all__ = ["UnevenRounds"]
 
@@ -74,8 +85,13 @@ class UnevenRounds(LocalRounds):
         flat: FlatParams,
         local_steps: int,
         cap: float | None = None,
+        adaptive: bool = False,
     ) -> None:
         super().__init__(gossip, flat, None, local_steps, None)
+        self.adaptive = adaptive
+        #: the steps this rank takes before it launches its next round (see the module docstring)
+        self.period = local_steps
+        self._next = local_steps  # the period from the next launch on
         #: the most steps between launching a round and mixing it (None: no cap)
         self.longest = None if cap is None else max(local_steps, int(cap * local_steps))
         gossip.hint = HINT
@@ -91,7 +107,7 @@ class UnevenRounds(LocalRounds):
         self._stopped = False
         self._out = False  # round `launched` is in flight (its handle may be a no-op)
         self._sum: tuple[GossipHandle, torch.Tensor, int] | None = None  # (handle, sum, count)
-        self._waiter: _Waiter | None = None
+        self._waiter: Waiter | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -148,7 +164,7 @@ class UnevenRounds(LocalRounds):
         if resent:  # resumed with the round in flight: send it again at once
             self._relaunch = False
             self._send(self._resend_count)
-        if not self._out or self.since < self.local_steps - 1:
+        if not self._out or self.since < self.period - 1:
             return None
         # a round resent at a resume is waited for where it was due: every rank resent it
         # together, and the resumed run then mixes where the saved one would have
@@ -162,14 +178,14 @@ class UnevenRounds(LocalRounds):
         least ``local_steps`` steps were taken since it was launched."""
         self.count += 1
         self.since += 1
-        if self._stopped or self._out or self.since < self.local_steps:
+        if self._stopped or self._out or self.since < self.period:
             return
         assert self.anchor is not None  # take() ran first
         with torch.no_grad():
             for x, a in zip(self._flat.buffers, self.anchor):
                 a.copy_(x)
         self.launched += 1
-        self.since = 0
+        self.since, self.period = 0, self._next
         self._send(self.count)
 
     def synchronize(self) -> None:
@@ -197,6 +213,7 @@ class UnevenRounds(LocalRounds):
         self._sum, self._out, self._waiter = None, False, None
         self.launched = self.mixed = self.since = self.count_at_launch = 0
         self.total, self.offset, self._stopped = None, 0.0, False
+        self.period = self._next = self.local_steps
 
     def schedule_state(self) -> dict[str, object]:
         """What a checkpoint keeps besides the anchors (see local_checkpoint)."""
@@ -209,6 +226,7 @@ class UnevenRounds(LocalRounds):
             "sum_count": None if self._sum is None else self._sum[2],
             "offset": self.offset,
             "world_size": self.gossip.world_size,
+            "period": [self.period, self._next],
         }
 
     def load_schedule_state(self, state: dict[str, object]) -> None:
@@ -228,6 +246,7 @@ class UnevenRounds(LocalRounds):
         self.total = None if state["total"] is None else float(state["total"])  # type: ignore[arg-type]
         self.count_at_launch = int(state["count_at_launch"])  # type: ignore[call-overload]
         self.offset = float(get("offset", 0.0))  # type: ignore[arg-type]
+        self.period, self._next = (int(m) for m in get("period", [self.local_steps] * 2))  # type: ignore[attr-defined]
         sent = state["sum_count"]
         self._resend_count = self.count if sent is None else int(sent)  # type: ignore[call-overload]
         if not self.in_flight:  # a resize dropped the round in flight: it is launched anew
@@ -237,6 +256,7 @@ class UnevenRounds(LocalRounds):
             progress = self.total / saved_world  # type: ignore[operator]
             self.total = progress * self.gossip.world_size
             self.offset = progress - self.count_at_launch
+            self.period = self._next = self.local_steps  # old speeds say nothing of the new world
         self._check_budget()
 
     # -- internals -------------------------------------------------------------------------------
@@ -251,7 +271,7 @@ class UnevenRounds(LocalRounds):
         self._sum = (self.gossip.sum_async(values, what, HINT), values, count)
         self._out = True
         handles = [h for h in (self._pending, self._sum[0]) if h is not None and not h.is_noop]
-        self._waiter = _Waiter(handles) if handles else None
+        self._waiter = Waiter(handles) if handles else None
 
     def _settle(self) -> None:
         """Mix the round in (waiting at most the timeout), then its summed step counts."""
@@ -266,9 +286,19 @@ class UnevenRounds(LocalRounds):
         if self._sum is not None:
             handle, values, count = self._sum
             handle.wait_and_mix_()
-            self.total, self.count_at_launch = float(values.item()), count
+            total = float(values.item())
+            if self.adaptive and self.total is not None:
+                self._next = self._next_period(total - self.total, count - self.count_at_launch)
+            self.total, self.count_at_launch = total, count
             self._sum = None
         self._check_budget()
+
+    def _next_period(self, summed: float, own: int) -> int:
+        mean = summed / self.gossip.world_size
+        if own <= 0 or not mean > 0:
+            return self.local_steps
+        shortened = int(self.local_steps * own / mean + 0.5)
+        return min(self.local_steps, max(1, shortened))
 
     def _start(self) -> GossipHandle | None:
         assert self.anchor is not None
@@ -282,22 +312,3 @@ class UnevenRounds(LocalRounds):
             return
         if self.total / self.gossip.world_size + self.local_steps >= self.budget:
             self._stopped = True
-
-
-class _Waiter:
-    """Waits for a round's transfers in a thread of its own; :attr:`done` is set after."""
-
-    def __init__(self, handles: list[GossipHandle]) -> None:
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(handles,), daemon=True)
-        self.thread.start()
-
-    def _run(self, handles: list[GossipHandle]) -> None:
-        try:
-            for handle in handles:
-                handle.wait()  # bounded by the optimizer's timeout (GossipError)
-        except BaseException as err:  # handed to the step, which raises it
-            self.error = err
-        finally:
-            self.done.set()

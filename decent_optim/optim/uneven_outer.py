@@ -51,8 +51,9 @@ class UnevenOuterRounds(SlowWeights, UnevenRounds):
         local_steps: int,
         outer: LocalOuterSGD,
         cap: float | None = None,
+        adaptive: bool = False,
     ) -> None:
-        super().__init__(gossip, flat, local_steps, cap)
+        super().__init__(gossip, flat, local_steps, cap, adaptive)
         self.slow_outer = outer
         self.slow = self.slow_momentum = None
         self._due = False  # this step mixed a round that crossed a multiple of `every`
