@@ -93,7 +93,7 @@ def test_fast_ranks_drift_through_fewer_steps_than_with_fixed_periods():
     # the same budget is reached either way, by every rank at the same round
     for runs in (fixed, adaptive):
         assert len({r[4] for r in runs}) == 1
-        assert all(r[3] >= budget for r in runs)
+        assert all(r[3] >= budget - H + 1 for r in runs)  # see test_uneven
 
 
 @pytest.mark.parametrize("adaptive", [1, "yes", None])

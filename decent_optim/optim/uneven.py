@@ -6,51 +6,38 @@ others makes all of them wait half the time. Here (``uneven=True``) a rank mixes
 once it has arrived, and goes on taking local steps until then:
 
 * a rank launches its next round right after mixing the last one, once it has taken at least
-  :math:`H` steps since it launched that one (the anchor is never written while it travels);
-* from its :math:`H`-th step after a launch, before each step's update, it asks whether the
+  its period :math:`m_i` steps since it launched that one (:math:`H`, or fewer: below);
+* from the :math:`m_i`-th step after a launch, before each step's update, it asks whether the
   round has arrived (no waiting) and, if so, mixes it in, :math:`x_i \leftarrow x_i + \sum_j
   w_{ij} a_j - a_i`, as :class:`~decent_optim.optim.local_steps.LocalRounds` does.
 
-So every rank takes part in every round, in the same order, but a period lasts as long as the
-slowest rank needs for its :math:`H` steps, and the faster ranks fill it with more steps of
-their own. Nobody waits for anybody except for the transfer itself. When every round arrives in
-time the schedule is :class:`LocalRounds`' step for step, bit for bit.
+So every rank takes part in every round, in the same order, and nobody waits for anybody except
+for the transfer itself: the faster ranks fill a period with more steps of their own. When every
+round arrives in time the schedule is :class:`LocalRounds`' step for step, bit for bit.
 
-**The mean.** The mix keeps :math:`\frac1n \sum_i x_i` (the mixing matrices are doubly
-stochastic), and each rank adds its own local progress to it: a rank that took twice the steps
-moves the mean twice as far, as its samples count twice in DDP's average. A plain average of
-the parameters is therefore the right weighting (no push-sum weights are needed), because every
-period starts from the mixed anchors; what it does not undo is local drift, as with any local
-steps.
+**The mean.** The mix keeps :math:`\frac1n \sum_i x_i` (doubly stochastic mixing), and each rank
+adds its own local progress to it: a rank that took twice the steps moves the mean twice as
+far, as its samples count twice in DDP's average. So a plain average is the right weighting (no
+push-sum weights), as every period starts from the mixed anchors; local drift stays, as with
+any local steps.
 
-**Progress and the budget.** With each round, every rank also launches a sum of the ranks' step
-counts (one number, no waiting); it is read when the round is mixed, so every rank learns the
-same total :math:`S_k` at the same round. :attr:`UnevenRounds.progress` is
-:math:`S_k / n` plus the rank's own steps since it launched round :math:`k` (DDP-equivalent
-steps, for learning-rate schedules), and after :meth:`UnevenRounds.stop_at` every rank stops
-after the step that mixes the first round with :math:`S_k / n + H` at the budget or beyond
-(every rank has then taken at least :math:`H` steps since it launched round :math:`k`), so none
-waits for a round that no one will send; a run ends at most a period past its budget. A
-checkpoint keeps these counters (:meth:`UnevenRounds.schedule_state`); loaded by another number
-of ranks, the progress goes on from the checkpoint's (:meth:`UnevenRounds.load_schedule_state`).
+**Progress and the budget.** With each round every rank also launches a sum of the ranks' step
+counts (no waiting), read when the round is mixed: every rank learns the same total
+:math:`S_k` at the same round. :attr:`UnevenRounds.progress` is :math:`S_k / n` plus the rank's
+own steps since it launched round :math:`k` (DDP-equivalent steps, for learning-rate
+schedules); after :meth:`UnevenRounds.stop_at` every rank stops after the step that mixes the
+first round with :math:`S_k / n + H` at the budget or beyond -- the same round on every rank,
+so none waits for a round that no one will send, and a run ends at most a period past its
+budget. A checkpoint keeps these counters (:meth:`UnevenRounds.schedule_state`); loaded by
+another number of ranks, the progress goes on (:meth:`UnevenRounds.load_schedule_state`).
 
 **A cap on drift.** With ``uneven=Uneven(cap=c)`` a rank takes at most :math:`cH` steps
 after launching a round; at the :math:`cH`-th it waits for the round. A rank many times faster
 than its slowest neighbour would otherwise drift through as many steps of its own per period.
 
-**Shorter periods for slow ranks.** A period lasts as long as its slowest rank needs for its
-:math:`H` steps, and the others fill it: with one rank at a quarter speed every other rank takes
-:math:`4H` steps between mixes, and drifts as far. With ``Uneven(adaptive=True)`` (the default)
-a rank that took :math:`c_i` steps between its last two launches, where the ranks took
-:math:`\bar c = (S_k - S_{k-1}) / n` on average, takes
-
-.. math::
-    m_i = \min\left(H, \max\left(1, \left\lfloor H c_i / \bar c + \tfrac12 \right\rfloor\right)\right)
-
-steps before it launches its next round (at least one, never more than :math:`H`), so the
-periods last about :math:`H` steps of an average rank instead of :math:`H` of the slowest. Every
-number comes from the rounds' sums, so where the rounds arrive as before the periods are as
-before; on even hardware every :math:`c_i = \bar c = H` and :math:`m_i = H`: the rounds above.
+**Shorter periods for slow ranks** (``Uneven(adaptive=True)``, the default): a rank that took
+fewer steps than the mean in the last period takes fewer before its next launch
+(:mod:`~decent_optim.optim.uneven_periods`).
 
 **Asking without waiting.** Each round's transfers are waited for in a thread
 (:mod:`~decent_optim.optim.waiter`), bounded by the optimizer's ``timeout``: a neighbour that died
@@ -71,6 +58,7 @@ from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
 from decent_optim.optim.local_steps import LocalRounds
 from decent_optim.optim.uneven_loop import HINT, LOOP, check_same_round
+from decent_optim.optim.uneven_periods import next_period
 from decent_optim.optim.waiter import Waiter
 
 __all__ = ["UnevenRounds"]
@@ -288,17 +276,15 @@ class UnevenRounds(LocalRounds):
             handle.wait_and_mix_()
             total = float(values.item())
             if self.adaptive and self.total is not None:
-                self._next = self._next_period(total - self.total, count - self.count_at_launch)
+                self._next = next_period(
+                    self.local_steps,
+                    total - self.total,
+                    self.gossip.world_size,
+                    count - self.count_at_launch,
+                )
             self.total, self.count_at_launch = total, count
             self._sum = None
         self._check_budget()
-
-    def _next_period(self, summed: float, own: int) -> int:
-        mean = summed / self.gossip.world_size
-        if own <= 0 or not mean > 0:
-            return self.local_steps
-        shortened = int(self.local_steps * own / mean + 0.5)
-        return min(self.local_steps, max(1, shortened))
 
     def _start(self) -> GossipHandle | None:
         assert self.anchor is not None
