@@ -6,7 +6,9 @@ repeat; one whose ranks stand at different rounds is refused at load; and at ano
 the DDP-equivalent progress carries over.
 
 Deterministic uneven runs (:func:`_train`): rank ``r`` mixes round ``j`` at its step
-``H - 1 + j * PERIODS[r]`` (0-based). The fast ranks (periods longer than ``H``) must not find a
+``H - 1 + j * PERIODS[r]`` (0-based), or, with adaptive periods, at the step that
+:func:`_adaptive_plan` derives from the rule of decent_optim.optim.uneven_periods (rank 0 twice
+as fast as rank 1, the slow one). The fast ranks must not find a
 round in before that step: a round is complete nowhere before every rank has launched it (its
 step counts travel in one all-reduce), so the ranks with period ``H`` hold back each launch of
 round ``j`` until every fast rank is at its mixing step of ``j`` (their step counts are posted
@@ -33,6 +35,7 @@ from decent_optim.optim.agreement import AgreementError
 
 H = 2  # local_steps
 PERIODS = (2 * H, H)  # rank 0 takes twice the steps of rank 1 per period
+SLOW = 1
 # the planned schedule fixes every rank's period; adaptive periods: tests/test_uneven_periods.py
 FIXED = dopt.Uneven(adaptive=False)
 
@@ -52,10 +55,32 @@ def _build(model, local_steps=H, uneven=FIXED, **extra):
     return opt
 
 
-def _mixing_step(period: int, j: int) -> int:
+def _mixing_step(period: int | list[int], j: int) -> int:
     """The 0-based step at which a rank of ``period`` steps per period mixes round ``j`` (the
-    step that launches round ``j + 1``; ``j = 0``: the one that launches round 1)."""
-    return H - 1 + j * period
+    step that launches round ``j + 1``; ``j = 0``: the one that launches round 1); a list: the
+    planned steps themselves."""
+    return period[j] if isinstance(period, list) else H - 1 + j * period
+
+
+def _adaptive_plan(until: int) -> tuple[list[int], list[int]]:
+    """The mixing steps of rounds 0..until of a fast rank 0 taking twice the steps of the slow
+    rank 1, whose periods follow the rule: after mixing round j >= 2, a rank that took c_i steps
+    between launching rounds j - 1 and j (mean c) takes min(H, max(1, floor(H c_i / c + 1/2)))
+    before launching round j + 1 on."""
+    periods, launch, mixing = [H, H], [[H], [H]], [[H - 1], [H - 1]]
+    for j in range(1, until + 1):
+        taken = [2 * periods[1], periods[1]]
+        assert taken[0] >= periods[0]
+        for r in (0, 1):
+            mixing[r].append(launch[r][-1] + taken[r] - 1)
+            launch[r].append(mixing[r][-1] + 1)
+        if j >= 2:
+            own = [launch[r][j - 1] - launch[r][j - 2] for r in (0, 1)]
+            periods = [min(H, max(1, int(H * c / (sum(own) / 2) + 0.5))) for c in own]
+    return mixing[0], mixing[1]
+
+
+ADAPTIVE = dopt.Uneven(adaptive=True)
 
 
 def _post(folder: str, phase: str, rank: int, count: int) -> None:
@@ -84,14 +109,14 @@ def _train(rank, model, opt, t, folder, phase, periods, until, after=None):
     calling ``after(steps done)`` after each. Returns the steps that mixed a round and the
     progress after every step."""
     mine = periods[rank]
-    fast = [s for s, p in enumerate(periods) if p > H]
+    fast = [s for s in range(len(periods)) if s != SLOW]
     plan = {_mixing_step(mine, j): j for j in range(0, until + 1)}
     first, mixed_at, progress = True, [], []
     while opt.round < until:
         rounds = opt._rounds
         # the round this step launches: the one in flight after a resume, or the next one
         launches = rounds.launched if first and rounds.in_flight else plan.get(t, -2) + 1
-        if mine == H and 1 <= launches <= until:
+        if rank == SLOW and 1 <= launches <= until:
             for s in fast:
                 _wait_for(folder, phase, s, _mixing_step(periods[s], launches))
         if plan.get(t, 0) >= 1 and rounds._waiter is not None:
@@ -149,15 +174,20 @@ def _resumed(rank, n, folder, periods, until, how, options=None):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("how", ["checkpoint.load", "load_state_dict"])
-def test_a_checkpoint_of_really_uneven_ranks_resumes_bit_for_bit(how, tmp_path):
-    save_round, until = 3, 6
-    straight = run_world(_straight, 2, str(tmp_path), PERIODS, save_round, until)
+def test_a_checkpoint_of_really_uneven_ranks_resumes_bit_for_bit(how, adaptive, tmp_path):
+    save_round, until = 4, 7
+    periods = _adaptive_plan(until) if adaptive else PERIODS
+    options = {"uneven": ADAPTIVE} if adaptive else None
+    straight = run_world(_straight, 2, str(tmp_path), periods, save_round, until, options)
     for rank, (_, mixed_at, _, _) in enumerate(straight):  # the plan held: the test is valid
-        assert mixed_at == [_mixing_step(PERIODS[rank], j) for j in range(1, until + 1)]
+        assert mixed_at == [_mixing_step(periods[rank], j) for j in range(1, until + 1)]
     counts = [saved["count"] for *_, saved in straight]
     assert counts[0] > counts[1], f"the ranks should be at different steps at the save: {counts}"
-    resumed = run_world(_resumed, 2, str(tmp_path), PERIODS, until, how)
+    if adaptive:  # the slow rank's periods were shortened before the save
+        assert periods[1][save_round] - periods[1][save_round - 1] < H
+    resumed = run_world(_resumed, 2, str(tmp_path), periods, until, how, options)
     for (x, mixed_at, progress, saved), (y, mixed_again, progress_again, at_load) in zip(
         straight, resumed
     ):
