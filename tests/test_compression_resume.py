@@ -13,30 +13,33 @@ from pathlib import Path
 import pytest
 import torch
 from _harness import run_world
-from test_optim_multiprocess import OPTIMIZERS, _loss, _model, _param_groups
-from test_uneven import _vector
-from test_uneven_checkpoints import PERIODS, _mixing_step, _resumed, _straight
+from _uneven import (
+    PERIODS,
+    SMALL_BUCKETS,
+    build,
+    mixing_step,
+    resumed,
+    save_or_resume,
+    straight,
+    train_step,
+    vector,
+)
+from test_optim_multiprocess import _model
 
 from decent_optim import checkpoint
 
-NAME = "DecentralizedAdamW"
 
-
-def _build(model, topology, local_steps, uneven):
-    cls, kwargs, *_ = OPTIMIZERS[NAME]
-    opt = cls(
-        _param_groups(model),
-        **kwargs,
+def _options(topology, local_steps, uneven):
+    """build()'s: every exchange compressed (a node per rank)."""
+    return dict(
         topology=topology,
-        bucket_cap_mb=64 / 2**20,  # several buckets per group
+        bucket_cap_mb=SMALL_BUCKETS,
         local_steps=local_steps,
         uneven=uneven,
         compression="int8",
         local_world_size=1,
         timeout=60,
     )
-    opt.stop_at(10**6)  # uneven=True steps only with a budget; the tests' loops end first
-    return opt
 
 
 def _run(rank, n, folder, topology, local_steps, uneven, save_at, sync, steps, resume):
@@ -44,26 +47,10 @@ def _run(rank, n, folder, topology, local_steps, uneven, save_at, sync, steps, r
     ``sync``), the resumed one starts from that file. Rounds of ``uneven=True`` are given time
     to arrive before each step, so that they are mixed where the step-locked schedule mixes."""
     model = _model()
-    opt = _build(model, topology, local_steps, uneven)
+    opt = build(model, **_options(topology, local_steps, uneven))
     path = Path(folder, f"rank{rank}.pt")
-    start = 0
-    if resume:
-        state = torch.load(path, weights_only=True)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start = save_at
-    for t in range(start, steps):
-        waiter = getattr(opt._rounds, "_waiter", None)
-        if waiter is not None:
-            waiter.thread.join()
-        opt.zero_grad()
-        _loss(model, rank, t).backward()
-        opt.step()
-        if t + 1 == save_at and not resume:
-            if sync:
-                opt.synchronize()
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
-    return _vector(model)
+    before_save = (lambda opt: opt.synchronize()) if sync else None
+    return save_or_resume(rank, model, opt, path, save_at, steps, resume, before_save)
 
 
 CASES = [  # (topology, n, local_steps, uneven, save_at, sync)
@@ -80,10 +67,10 @@ CASES = [  # (topology, n, local_steps, uneven, save_at, sync)
 @pytest.mark.parametrize("topology, n, local_steps, uneven, save_at, sync", CASES, ids=str)
 def test_int8_resumes_bit_for_bit(topology, n, local_steps, uneven, save_at, sync, tmp_path):
     args = (str(tmp_path), topology, local_steps, uneven, save_at, sync, 16)
-    straight = run_world(_run, n, *args, False)
-    resumed = run_world(_run, n, *args, True)
-    assert not torch.equal(straight[0], straight[1]), "the ranks should differ"
-    for a, b in zip(straight, resumed):
+    first = run_world(_run, n, *args, False)
+    again = run_world(_run, n, *args, True)
+    assert not torch.equal(first[0], first[1]), "the ranks should differ"
+    for a, b in zip(first, again):
         assert torch.equal(a, b)
 
 
@@ -92,26 +79,24 @@ def test_int8_resumes_bit_for_bit(topology, n, local_steps, uneven, save_at, syn
 def test_int8_resumes_bit_for_bit_with_really_uneven_ranks(how, tmp_path):
     options = dict(compression="int8", local_world_size=1)
     save_round, until = 3, 6
-    straight = run_world(_straight, 2, str(tmp_path), PERIODS, save_round, until, options)
-    for rank, (_, mixed_at, _, _) in enumerate(straight):
-        assert mixed_at == [_mixing_step(PERIODS[rank], j) for j in range(1, until + 1)]
-    counts = [saved["count"] for *_, saved in straight]
+    first = run_world(straight, 2, str(tmp_path), PERIODS, save_round, until, options)
+    for rank, (_, mixed_at, _, _) in enumerate(first):
+        assert mixed_at == [mixing_step(PERIODS[rank], j) for j in range(1, until + 1)]
+    counts = [saved["count"] for *_, saved in first]
     assert counts[0] > counts[1], counts
-    resumed = run_world(_resumed, 2, str(tmp_path), PERIODS, until, how, options)
-    for (x, *_), (y, *_) in zip(straight, resumed):
+    again = run_world(resumed, 2, str(tmp_path), PERIODS, until, how, options)
+    for (x, *_), (y, *_) in zip(first, again):
         assert torch.equal(x, y)
 
 
 def _resize(rank, n, folder, stage):
     """Stage "save": 3 ranks save a directory checkpoint mid-run; "load": 2 ranks resume it."""
     model = _model()
-    opt = _build(model, "ring", 1, False)
+    opt = build(model, **_options("ring", 1, False))
     root = Path(folder, "ckpt")
     if stage == "save":
         for t in range(5):
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
+            train_step(model, opt, rank, t)
         checkpoint.save(root, model, opt, step=5)
         checkpoint.wait(root)
         return None
@@ -119,10 +104,8 @@ def _resize(rank, n, folder, stage):
     groups = opt._rounds.gossip._compressed.values()
     primed = [g._primed for g in groups]  # after a resize: no public copies (exact values next)
     for t in range(5, 9):
-        opt.zero_grad()
-        _loss(model, rank, t).backward()
-        opt.step()
-    return primed, bool(torch.isfinite(_vector(model)).all())
+        train_step(model, opt, rank, t)
+    return primed, bool(torch.isfinite(vector(model)).all())
 
 
 @pytest.mark.multiprocess

@@ -7,15 +7,13 @@ steps") row by row with the textbook updates; one worker is also checked against
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from _harness import run_world
+from _uneven import resume_in_memory, vector
 from reference import CompressedMixing, Segment, simulate_local, worker_gradients
 from test_optim_multiprocess import GROUP1, OPTIMIZERS, _loss, _model, _param_groups
 from test_optim_multiprocess import _reference as every_step_reference
-from torch import nn
 
 import decent_optim as dopt
 from decent_optim.topologies import get as get_topology
@@ -29,10 +27,6 @@ OUTERS = {"none": None, "diloco": DILOCO, "lookahead": LOOKAHEAD}
 def _outer_arg(outer: str):
     spec = OUTERS[outer]
     return None if spec is None else dopt.OuterSGD(**spec)
-
-
-def _vector(model: nn.Module) -> torch.Tensor:
-    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
 
 
 def _train(rank, n, name, topology, local, steps, every, outer, compression=None, probe=None):
@@ -56,12 +50,12 @@ def _train(rank, n, name, topology, local, steps, every, outer, compression=None
     for t in range(steps):
         if t == probe:
             with opt.averaged():
-                mean = _vector(model)
+                mean = vector(model)
             seen = (opt.consensus_distance(), mean)
         opt.zero_grad()
         _loss(model, rank, t).backward()
         opt.step()
-    return _vector(model), seen
+    return vector(model), seen
 
 
 def _reference(name, topology, n, local, steps, every, outer, compression=None):
@@ -70,7 +64,7 @@ def _reference(name, topology, n, local, steps, every, outer, compression=None):
     sizes = [p.numel() for p in model.parameters()]
     split = sum(sizes[:2])
     segments = [Segment(0, split, hyper), Segment(split, sum(sizes), {**hyper, **GROUP1})]
-    x0 = _vector(model).repeat(n, 1)
+    x0 = vector(model).repeat(n, 1)
 
     grads = worker_gradients(model, _loss)
 
@@ -133,7 +127,7 @@ def _plain(rank, n, every):
         opt.zero_grad()
         _loss(model, rank, t).backward()
         opt.step()
-    return _vector(model)
+    return vector(model)
 
 
 @pytest.mark.multiprocess
@@ -176,39 +170,22 @@ def test_one_worker_is_torch_adamw_inside_torch_sgd_nesterov_outside():
                 outer.step()
                 for a, p in zip(anchors, twin.parameters()):
                     p.copy_(a)
-    torch.testing.assert_close(_vector(model), _vector(twin), rtol=0, atol=1e-14)
+    torch.testing.assert_close(vector(model), vector(twin), rtol=0, atol=1e-14)
 
 
 def _resume(rank, n, save_at, steps):
     """Train ``steps`` in one go, and again with a checkpoint at ``save_at`` loaded into a new
     model and optimizer; returns both results."""
 
-    def build():
+    def make():
         model = _model()
         opt = dopt.DecentralizedAdamW(
             model.parameters(), lr=0.01, topology="ring", local_steps=3, outer="diloco"
         )
         return model, opt
 
-    def run(model, opt, start, stop):
-        for t in range(start, stop):
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
-
-    model, opt = build()
-    run(model, opt, 0, save_at)
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    run(model, opt, save_at, steps)
-    straight = _vector(model)
-    del opt
-    model, opt = build()
-    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    run(model, opt, save_at, steps)
-    return straight, _vector(model)
+    run = resume_in_memory(rank, make, save_at, steps)
+    return run.straight, run.resumed
 
 
 @pytest.mark.multiprocess

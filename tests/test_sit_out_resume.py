@@ -8,47 +8,25 @@ run is compared bit for bit with the uninterrupted one.
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from _harness import run_world
-from test_optim_multiprocess import OPTIMIZERS, _loss, _model, _param_groups
-from torch import nn
-
-
-def _vector(model: nn.Module) -> torch.Tensor:
-    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+from _uneven import resume_in_memory
+from test_optim_multiprocess import OPTIMIZERS, _model, _param_groups
 
 
 def _straight_and_resumed(rank, n, local_steps, save_at, steps):
     cls, kwargs, *_ = OPTIMIZERS["DecentralizedAdamW"]
 
-    def build():
+    def make():
         model = _model()
         return model, cls(_param_groups(model), **kwargs, topology="ring", local_steps=local_steps)
 
-    def run(model, opt, start, stop):
-        for t in range(start, stop):
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
+    def sits_out(opt):
+        return opt._rounds._pending is None  # this rank's round has nothing to exchange
 
-    model, opt = build()
-    run(model, opt, 0, save_at)
-    sits_out = opt._rounds._pending is None  # this rank's round has nothing to exchange
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    run(model, opt, save_at, steps)
-    straight = _vector(model)
-    opt.synchronize()
-    del opt
-    model, opt = build()
-    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    run(model, opt, save_at, steps)
-    return sits_out, straight, _vector(model)
+    run = resume_in_memory(rank, make, save_at, steps, note=sits_out)
+    return run.noted, run.straight, run.resumed
 
 
 @pytest.mark.multiprocess

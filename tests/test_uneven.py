@@ -9,59 +9,29 @@ gradient was taken before the mix), the anchor taken after it. Faults (a rank th
 
 from __future__ import annotations
 
-import io
 import time
 
 import pytest
 import torch
 from _harness import run_world, run_world_fresh
+from _uneven import (
+    NAME,
+    SMALL_BUCKETS,
+    build,
+    resume_in_memory,
+    run_in_time,
+    run_uneven,
+    train_step,
+)
+from _uneven import vector as _vector
 from reference import UPDATES, RefState, Segment
-from test_optim_multiprocess import GROUP1, OPTIMIZERS, _loss, _model, _param_groups
-from torch import nn
+from test_optim_multiprocess import GROUP1, OPTIMIZERS, _loss, _model
 
 import decent_optim as dopt
 from decent_optim.gossip import GossipError
 from decent_optim.topologies import get as get_topology
 
-NAME = "DecentralizedAdamW"
-
-
-def _vector(model: nn.Module) -> torch.Tensor:
-    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
-
-
-def _build(model, topology="ring", local_steps=3, uneven=True, **extra):
-    cls, kwargs, *_ = OPTIMIZERS[NAME]
-    return cls(
-        _param_groups(model),
-        **kwargs,
-        topology=topology,
-        bucket_cap_mb=64 / 2**20,  # several buckets per group
-        local_steps=local_steps,
-        uneven=uneven,
-        **extra,
-    )
-
-
-def _run_uneven(
-    rank, n, sleeps, budget, local_steps, topology="ring", compression=None, uneven=True
-):
-    """Train until the budget with ``sleeps[rank]`` seconds per step; returns the parameters,
-    the steps taken, the (0-based) steps whose take() mixed a round, and the progress."""
-    model = _model()
-    opt = _build(model, topology, local_steps, compression=compression, timeout=60, uneven=uneven)
-    opt.stop_at(budget)
-    steps, mixed_at = 0, []
-    while not opt.stopped:
-        time.sleep(sleeps[rank])
-        before = opt._rounds.mixed
-        opt.zero_grad()
-        _loss(model, rank, steps).backward()
-        opt.step()
-        if opt._rounds.mixed != before:
-            mixed_at.append(steps)
-        steps += 1
-    return _vector(model), steps, mixed_at, opt.progress, opt._rounds.mixed
+UNEVEN = dict(bucket_cap_mb=SMALL_BUCKETS)  # run_uneven's options
 
 
 def _reference(n, topology, local_steps, runs, local_world_size=1):
@@ -114,7 +84,7 @@ def _reference(n, topology, local_steps, runs, local_world_size=1):
 @pytest.mark.multiprocess
 def test_matches_the_dense_reference_with_uneven_step_counts():
     n, local_steps, budget = 3, 3, 24
-    runs = run_world(_run_uneven, n, [0.0, 0.004, 0.03], budget, local_steps)
+    runs = run_world(run_uneven, n, [0.0, 0.004, 0.03], budget, local_steps, UNEVEN)
     steps = [r[1] for r in runs]
     assert steps[0] > steps[2] + 2 * local_steps, f"the fast rank should step more: {steps}"
     assert len({r[4] for r in runs}) == 1, "every rank must stop at the same round"
@@ -128,49 +98,27 @@ def test_matches_the_dense_reference_with_uneven_step_counts():
     assert all(r[3] >= budget - local_steps + 1 for r in runs)
 
 
-def _run_even(rank, n, uneven, steps, compression=None):
-    """Even ranks; before each step the round in flight is given time to arrive, so that the
-    uneven schedule mixes where the step-locked one does."""
-    model = _model()
-    cls, kwargs, *_ = OPTIMIZERS[NAME]
-    opt = cls(
-        _param_groups(model),
-        **kwargs,
-        topology="ring",
-        local_steps=3,
-        uneven=uneven,
-        compression=compression,
-        local_world_size=1,
-    )
-    opt.stop_at(10**6)  # uneven=True steps only with a budget; the loop ends first here
-    for t in range(steps):
-        waiter = getattr(opt._rounds, "_waiter", None)
-        if waiter is not None:
-            waiter.thread.join()
-        opt.zero_grad()
-        _loss(model, rank, t).backward()
-        opt.step()
-    return _vector(model)
+def _even(uneven, compression=None):
+    """Even ranks, each round given time to arrive (run_in_time's options), so that the uneven
+    schedule mixes where the step-locked one does."""
+    return dict(uneven=uneven, compression=compression, local_world_size=1)
 
 
 @pytest.mark.multiprocess
 def test_rounds_that_arrive_in_time_give_plain_local_steps_bit_for_bit():
-    plain = run_world(_run_even, 3, False, 14)
-    uneven = run_world(_run_even, 3, True, 14)
+    plain = run_world(run_in_time, 3, 14, _even(False))
+    uneven = run_world(run_in_time, 3, 14, _even(True))
     for a, b in zip(plain, uneven):
         assert torch.equal(a, b)
 
 
 def _stops_calling(rank, n):
     model = _model()
-    opt = _build(model, local_steps=2, timeout=3)
-    opt.stop_at(10**6)
+    opt = build(model, 2, bucket_cap_mb=SMALL_BUCKETS, timeout=3)
     started = time.monotonic()
     try:
         for t in range(400 if rank == 0 else 3):  # rank 1 stops after 3 steps
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
+            train_step(model, opt, rank, t)
             time.sleep(0.01)
     except GossipError as err:
         return "raised", time.monotonic() - started, str(err)
@@ -189,13 +137,10 @@ def test_a_neighbour_that_stops_stepping_raises_within_the_timeout():
 
 def _worker_alone(budget):
     model = _model()
-    opt = _build(model, local_steps=4)
-    opt.stop_at(budget)
+    opt = build(model, 4, bucket_cap_mb=SMALL_BUCKETS, budget=budget)
     steps = 0
     while not opt.stopped:
-        opt.zero_grad()
-        _loss(model, 0, steps).backward()
-        opt.step()
+        train_step(model, opt, 0, steps)
         steps += 1
     return steps, opt.progress, opt
 
@@ -242,13 +187,13 @@ def test_a_bad_budget_says_what_to_do(budget):
 @pytest.mark.multiprocess
 def test_composes_with_int8_compression():
     # rounds that arrive in time: the compressed exchange as plain local steps use it
-    plain = run_world(_run_even, 2, False, 14, "int8")
-    uneven = run_world(_run_even, 2, True, 14, "int8")
+    plain = run_world(run_in_time, 2, 14, _even(False, "int8"))
+    uneven = run_world(run_in_time, 2, 14, _even(True, "int8"))
     for a, b in zip(plain, uneven):
         assert torch.equal(a, b)
     assert not torch.equal(plain[0], plain[1])
     # and at uneven speeds: no error, and the fast rank steps more
-    runs = run_world(_run_uneven, 2, [0.0, 0.02], 30, 3, "ring", "int8")
+    runs = run_world(run_uneven, 2, [0.0, 0.02], 30, 3, {**UNEVEN, "compression": "int8"})
     assert all(torch.isfinite(r[0]).all() for r in runs)
     assert runs[0][1] > runs[1][1], "the fast rank should step more"
 
@@ -298,47 +243,20 @@ def test_plan_predicts_uneven_speeds():
 
 
 def _resume(rank, n, save_at, steps):
-    """Even ranks (rounds given time to arrive, as in _run_even): ``steps`` in one go, and again
-    with a checkpoint at ``save_at`` (mid-period, round in flight) loaded into a new optimizer."""
+    """Even ranks (rounds given time to arrive): ``steps`` in one go, and again with a
+    checkpoint at ``save_at`` (mid-period, round in flight) loaded into a new optimizer."""
 
-    def build():
+    def make():
         model = _model()
-        cls, kwargs, *_ = OPTIMIZERS[NAME]
-        return model, cls(
-            _param_groups(model), **kwargs, topology="ring", local_steps=3, uneven=True
-        )
+        return model, build(model)  # the budget is not saved: build() sets it again
 
-    def run(model, opt, start, stop):
-        for t in range(start, stop):
-            waiter = opt._rounds._waiter
-            if waiter is not None:
-                waiter.thread.join()
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
-
-    model, opt = build()
-    opt.stop_at(10**6)  # the loop ends first; a resume sets it again (it is not saved)
-    run(model, opt, 0, save_at)
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    run(model, opt, save_at, steps)
-    straight, progress = _vector(model), opt.progress
-    opt.synchronize()
-    del opt
-    model, opt = build()
-    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    opt.stop_at(10**6)
-    run(model, opt, save_at, steps)
-    return straight, _vector(model), progress, opt.progress
+    return resume_in_memory(rank, make, save_at, steps, in_time=True)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("save_at", [6, 7, 8])  # right after a launch, one and two steps after
 def test_resume_mid_period_is_bit_exact(save_at):
-    for straight, resumed, progress, resumed_progress in run_world(_resume, 2, save_at, 14):
+    for straight, resumed, progress, resumed_progress, _ in run_world(_resume, 2, save_at, 14):
         assert torch.equal(straight, resumed)
         assert progress == resumed_progress
 
@@ -349,15 +267,12 @@ def _checkpoint_then_resize(rank, n, root, stage):
     from decent_optim import checkpoint
 
     model = _model()
-    opt = _build(model, local_steps=2, timeout=60)
+    opt = build(model, 2, bucket_cap_mb=SMALL_BUCKETS, timeout=60)
     if stage == "save":
-        opt.stop_at(10**6)
         t = 0
         while opt.round < 3:
             time.sleep(0.01 * rank)
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
+            train_step(model, opt, rank, t)
             t += 1
         checkpoint.save(root, model, opt, step=opt.round)
         checkpoint.wait(root)
@@ -367,9 +282,7 @@ def _checkpoint_then_resize(rank, n, root, stage):
     opt.stop_at(opt.progress + 6)
     t = 0
     while not opt.stopped:
-        opt.zero_grad()
-        _loss(model, rank, 100 + t).backward()
-        opt.step()
+        train_step(model, opt, rank, 100 + t)
         t += 1
     return resumed.step, loaded, bool(torch.isfinite(_vector(model)).all())
 

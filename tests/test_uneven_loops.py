@@ -16,63 +16,44 @@ import numpy as np
 import pytest
 import torch
 from _harness import run_world, run_world_fresh
-from test_optim_multiprocess import OPTIMIZERS, _loss, _model, _param_groups
-from test_uneven import NAME, _reference, _vector
+from _uneven import build, run_uneven, train_step, vector
+from test_optim_multiprocess import _model
+from test_uneven import _reference
 
 import decent_optim as dopt
 from decent_optim.gossip import GossipError
 from decent_optim.optim.agreement import AgreementError
-
-
-def _build(model, local_steps=2, uneven=True, **extra):
-    cls, kwargs, *_ = OPTIMIZERS[NAME]
-    return cls(
-        _param_groups(model),
-        **kwargs,
-        topology="ring",
-        local_steps=local_steps,
-        uneven=uneven,
-        **extra,
-    )
-
-
-def _train_step(model, opt, rank, t):
-    opt.zero_grad()
-    _loss(model, rank, t).backward()
-    opt.step()
-
 
 # -- a loop of `for step in range(N)` ----------------------------------------------------------------
 
 
 def test_a_loop_without_a_budget_is_refused_at_its_first_step_with_the_loop_to_write():
     model = _model()
-    opt = _build(model)
+    opt = build(model, 2, budget=None)
     with pytest.raises(RuntimeError, match=r"before opt\.stop_at") as err:
-        _train_step(model, opt, 0, 0)
+        train_step(model, opt, 0, 0)
     assert "while not opt.stopped" in str(err.value) and "opt.round" in str(err.value)
-    before = _vector(model)
+    before = vector(model)
     opt.stop_at(4)  # then it trains
-    _train_step(model, opt, 0, 0)
-    assert not torch.equal(before, _vector(model))
+    train_step(model, opt, 0, 0)
+    assert not torch.equal(before, vector(model))
 
 
 def _leaves_early(rank, n):
     """Rank 0 leaves a `for step in range(6)` loop (alive, busy elsewhere); rank 1 loops on
     opt.stopped as documented."""
     model = _model()
-    opt = _build(model, timeout=3)
-    opt.stop_at(10**6)
+    opt = build(model, 2, timeout=3)
     started = time.monotonic()
     try:
         if rank == 0:
             for t in range(6):
-                _train_step(model, opt, rank, t)
+                train_step(model, opt, rank, t)
             time.sleep(8)  # e.g. evaluating alone, or waiting at a barrier of its own
             return "left", 0.0, ""
         t = 0
         while not opt.stopped:
-            _train_step(model, opt, rank, t)
+            train_step(model, opt, rank, t)
             time.sleep(0.02)
             t += 1
     except GossipError as err:
@@ -97,10 +78,9 @@ def _averaged_at_own_steps(rank, n):
     """The habit of every other mode: evaluate when the own step count is a multiple of 5.
     Rank 1 is much slower, so the ranks reach their 5th step at different rounds."""
     model = _model()
-    opt = _build(model, timeout=60)
-    opt.stop_at(10**6)
+    opt = build(model, 2, timeout=60)
     for t in range(40):
-        _train_step(model, opt, rank, t)
+        train_step(model, opt, rank, t)
         time.sleep(0.2 * rank)
         if t % 5 == 4:
             try:
@@ -128,12 +108,12 @@ def _collectives_at_rounds(rank, n, budget, more):
     import torch.distributed as dist
 
     model = _model()
-    opt = _build(model, timeout=60)
+    opt = build(model, 2, budget=None, timeout=60)
     sums, stops, last, t = [], [], -1, 0
     for total in (budget, budget + more):
         opt.stop_at(total)
         while not opt.stopped:
-            _train_step(model, opt, rank, t)
+            train_step(model, opt, rank, t)
             time.sleep(0.01 * rank)
             t += 1
             if opt.round % 2 == 0 and opt.round != last:
@@ -164,11 +144,10 @@ def test_collectives_of_the_users_at_rounds_and_a_budget_raised_after_the_stop()
 
 def test_a_budget_raised_after_the_stop_trains_on_and_a_reached_one_stays_stopped():
     model = _model()
-    opt = _build(model, local_steps=4)
-    opt.stop_at(10)
+    opt = build(model, 4, budget=10)
     t = 0
     while not opt.stopped:
-        _train_step(model, opt, 0, t)
+        train_step(model, opt, 0, t)
         t += 1
     assert t == 12
     opt.stop_at(11)  # reached already: still stopped
@@ -176,7 +155,7 @@ def test_a_budget_raised_after_the_stop_trains_on_and_a_reached_one_stays_stoppe
     opt.stop_at(20)
     assert not opt.stopped
     while not opt.stopped:
-        _train_step(model, opt, 0, t)
+        train_step(model, opt, 0, t)
         t += 1
     # the stopping step launched no round, so the next leaves after step 13 (mixed at 17,
     # 13 + 4 < 20) and the one after at 17 (mixed at 21, 17 + 4 >= 20)
@@ -188,12 +167,12 @@ def test_a_budget_raised_after_the_stop_trains_on_and_a_reached_one_stays_stoppe
 
 def test_numpy_numbers_are_numbers():
     model = _model()
-    opt = _build(model, local_steps=np.int64(2))
+    opt = build(model, np.int64(2), budget=None)
     opt.stop_at(np.int64(4))
     opt.stop_at(np.float32(4.0))
     t = 0
     while not opt.stopped:
-        _train_step(model, opt, 0, t)
+        train_step(model, opt, 0, t)
         t += 1
     assert t == 4
     outer = dopt.LocalOuterSGD(lr=np.float64(0.5), momentum=np.float32(0.5), every=np.int64(32))
@@ -208,34 +187,21 @@ def test_numpy_numbers_are_numbers():
 # -- the cap on steps per period -------------------------------------------------------------------
 
 
-def _run_gap(rank, n, sleeps, budget, local_steps, cap):
-    """Train to the budget with ``sleeps[rank]`` s per step; returns what test_uneven's dense
-    reference replays (parameters, steps, the steps that mixed, progress, rounds)."""
-    model = _model()
-    opt = _build(model, local_steps, uneven=dopt.Uneven(cap=cap), timeout=60)
-    opt.stop_at(budget)
-    steps, mixed_at = 0, []
-    while not opt.stopped:
-        time.sleep(sleeps[rank])
-        before = opt.round
-        _train_step(model, opt, rank, steps)
-        if opt.round != before:
-            mixed_at.append(steps)
-        steps += 1
-    return _vector(model), steps, mixed_at, opt.progress, opt.round
-
-
 def _longest_period(mixed_at, local_steps):
     """The most steps a rank took from a launch to the step that mixed that round."""
     launches = [local_steps - 1] + mixed_at[:-1]  # round 1 after local_steps steps, then at mixes
     return max(m - a for a, m in zip(launches, mixed_at))
 
 
+def _capped(cap):
+    return dict(uneven=dopt.Uneven(cap=cap))  # run_uneven's options
+
+
 @pytest.mark.multiprocess
 def test_the_cap_bounds_the_fast_ranks_steps_per_period_and_matches_the_reference():
     local_steps, sleeps, budget = 2, [0.003, 0.04], 16
-    free = run_world(_run_gap, 2, sleeps, budget, local_steps, None)
-    capped = run_world(_run_gap, 2, sleeps, budget, local_steps, 2)
+    free = run_world(run_uneven, 2, sleeps, budget, local_steps, _capped(None))
+    capped = run_world(run_uneven, 2, sleeps, budget, local_steps, _capped(2))
     assert _longest_period(free[0][2], local_steps) > 2 * local_steps, "no drift to bound"
     assert _longest_period(capped[0][2], local_steps) <= 2 * local_steps
     # the capped schedule is still the uneven schedule, replayed in float64

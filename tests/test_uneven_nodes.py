@@ -16,8 +16,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import run_world, run_world_fresh
-from test_optim_multiprocess import OPTIMIZERS, _loss, _model, _param_groups
-from test_uneven import NAME, _reference, _vector
+from _uneven import (
+    SMALL_BUCKETS,
+    build,
+    run_in_time,
+    run_uneven,
+    save_or_resume,
+    train_step,
+    wait_for_round,
+)
+from test_optim_multiprocess import _model
+from test_uneven import _reference
 from torch import nn
 
 import decent_optim as dopt
@@ -28,44 +37,23 @@ LOCAL = 2  # ranks per node: ranks 0, 1 on node 0, ranks 2, 3 on node 1
 
 
 def _build(model, topology, local_steps, uneven=True, **extra):
-    cls, kwargs, *_ = OPTIMIZERS[NAME]
-    groups = _param_groups(model) if isinstance(model, nn.Sequential) else model.parameters()
-    return cls(
-        groups,
-        **kwargs,
-        topology=topology,
-        local_steps=local_steps,
-        uneven=uneven,
-        local_world_size=LOCAL,
-        **{"timeout": 60, **extra},
-    )
+    """build() on two ranks per node."""
+    return build(model, local_steps, topology=topology, uneven=uneven, **_node(extra))
+
+
+def _node(options):
+    """More of build()'s options: two ranks per node, a timeout of 60 s unless given."""
+    return {"local_world_size": LOCAL, "timeout": 60, **options}
 
 
 # -- (a) the dense reference ------------------------------------------------------------------
-def _run(rank, n, sleeps, budget, local_steps, topology):
-    """tests/test_uneven.py's run, on two ranks per node."""
-    model = _model()
-    opt = _build(model, topology, local_steps, bucket_cap_mb=64 / 2**20)
-    opt.stop_at(budget)
-    steps, mixed_at = 0, []
-    while not opt.stopped:
-        time.sleep(sleeps[rank])
-        before = opt._rounds.mixed
-        opt.zero_grad()
-        _loss(model, rank, steps).backward()
-        opt.step()
-        if opt._rounds.mixed != before:
-            mixed_at.append(steps)
-        steps += 1
-    return _vector(model), steps, mixed_at, opt.progress, opt._rounds.mixed
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("topology", ["complete", "alternating-exp-ring"])
 def test_matches_the_dense_reference_with_uneven_step_counts(topology):
     n, local_steps, budget = 4, 3, 24
     # a fast and a slow rank on each node
-    runs = run_world(_run, n, [0.0, 0.03, 0.004, 0.02], budget, local_steps, topology)
+    options = _node(dict(topology=topology, bucket_cap_mb=SMALL_BUCKETS))
+    runs = run_world(run_uneven, n, [0.0, 0.03, 0.004, 0.02], budget, local_steps, options)
     steps = [r[1] for r in runs]
     assert steps[0] > steps[1] + 2 * local_steps, f"the fast rank should step more: {steps}"
     assert len({r[4] for r in runs}) == 1, "every rank must stop at the same round"
@@ -111,8 +99,7 @@ class _Uplink:
 def _count(rank, n, compression, sleeps, budget):
     torch.manual_seed(7)
     model = nn.Linear(64, 64)  # 4160 float32 parameters in one bucket: two shards of an int8 copy
-    opt = _build(model, "complete", 2, compression=compression)
-    opt.stop_at(budget)
+    opt = _build(model, "complete", 2, compression=compression, budget=budget)
     with _Uplink(rank) as uplink:
         t = 0
         while not opt.stopped:
@@ -160,8 +147,7 @@ def _slow_mate(rank, n, pause):
     wall-clock times of the ranks' steps and of rank 1's pause."""
     torch.manual_seed(7)
     model = nn.Linear(16, 16)
-    opt = _build(model, "complete", 2, dopt.Uneven(cap=None))  # no cap: the fast never wait
-    opt.stop_at(40)
+    opt = _build(model, "complete", 2, dopt.Uneven(cap=None), budget=40)  # no cap: no wait
     ends, paused = [], None
     t = 0
     while not opt.stopped:
@@ -192,13 +178,10 @@ def _mate_stops(rank, n):
     """Rank 1 stops calling step() after 3 steps (alive, silent); the others step on."""
     model = _model()
     opt = _build(model, "complete", 2, timeout=3)
-    opt.stop_at(10**6)
     started = time.monotonic()
     try:
         for t in range(400 if rank != 1 else 3):
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
+            train_step(model, opt, rank, t)
             time.sleep(0.01)
     except GossipError as err:
         return "raised", time.monotonic() - started, str(err)
@@ -274,37 +257,23 @@ def _start(rank: int) -> list[torch.Tensor]:
     return [torch.randn(3000, generator=gen).double(), torch.randn(7, generator=gen).double()]
 
 
-def _even(rank, n, uneven, steps, compression):
-    """Even ranks, each round given time to arrive before the next step (tests/test_uneven.py's
-    _run_even, on two ranks per node)."""
-    model = _model()
-    cls, kwargs, *_ = OPTIMIZERS[NAME]
-    opt = cls(
-        _param_groups(model),
-        **kwargs,
+def _even(uneven, compression):
+    """Even ranks, each round given time to arrive before the next step (run_in_time's
+    options, on two ranks per node)."""
+    return dict(
         topology="complete",
-        local_steps=3,
         uneven=uneven,
         compression=compression,
         local_world_size=LOCAL,
-        bucket_cap_mb=64 / 2**20,
+        bucket_cap_mb=SMALL_BUCKETS,
     )
-    opt.stop_at(10**6)  # the loop ends first
-    for t in range(steps):
-        waiter = getattr(opt._rounds, "_waiter", None)
-        if waiter is not None:
-            waiter.thread.join()
-        opt.zero_grad()
-        _loss(model, rank, t).backward()
-        opt.step()
-    return _vector(model)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("compression", [None, "int8"])
 def test_rounds_that_arrive_in_time_give_step_locked_node_rounds_bit_for_bit(compression):
-    plain = run_world(_even, 4, False, 14, compression)
-    uneven = run_world(_even, 4, True, 14, compression)
+    plain = run_world(run_in_time, 4, 14, _even(False, compression))
+    uneven = run_world(run_in_time, 4, 14, _even(True, compression))
     for a, b in zip(plain, uneven):
         assert torch.equal(a, b)
     assert not torch.equal(plain[0], plain[1])
@@ -314,28 +283,10 @@ def _resume(rank, n, folder, save_at, steps, resume):
     """int8 on two ranks per node, rounds in time (as _even); the uninterrupted run saves after
     ``save_at`` steps (a round in flight), the resumed one starts from that file."""
     model = _model()
-    opt = _build(model, "complete", 3, compression="int8", bucket_cap_mb=64 / 2**20)
-    opt.stop_at(10**6)
+    opt = _build(model, "complete", 3, compression="int8", bucket_cap_mb=SMALL_BUCKETS)
     path = Path(folder, f"rank{rank}.pt")
-    start = 0
-    if resume:
-        state = torch.load(path, weights_only=True)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        opt.stop_at(10**6)
-        start = save_at
-    for t in range(start, steps):
-        waiter = getattr(opt._rounds, "_waiter", None)
-        if waiter is not None:
-            waiter.thread.join()  # the round's transfers (and its deferred steps) are done
-        opt.zero_grad()
-        _loss(model, rank, t).backward()
-        opt.step()
-        if t + 1 == save_at and not resume:
-            waiter = opt._rounds._waiter
-            waiter.thread.join()  # saved after the deferred steps ran, before the mix
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
-    return _vector(model)
+    # saved after the deferred steps ran, before the mix
+    return save_or_resume(rank, model, opt, path, save_at, steps, resume, wait_for_round)
 
 
 @pytest.mark.multiprocess

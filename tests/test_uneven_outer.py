@@ -12,61 +12,24 @@ torch.optim.AdamW inside and torch.optim.SGD (Nesterov) outside at those rounds.
 
 from __future__ import annotations
 
-import io
 import time
 
 import pytest
 import torch
 from _harness import run_world, run_world_fresh
+from _uneven import NAME, SMALL_BUCKETS, build, resume_in_memory, run_uneven, train_step, vector
 from reference import UPDATES, RefState, Segment
-from test_optim_multiprocess import GROUP1, OPTIMIZERS, _loss, _model, _param_groups
-from torch import nn
+from test_optim_multiprocess import GROUP1, OPTIMIZERS, _loss, _model
 
 import decent_optim as dopt
 from decent_optim.topologies import get as get_topology
 
-NAME = "DecentralizedAdamW"
 OUTER = dopt.LocalOuterSGD(lr=0.6, momentum=0.7, every=5)  # not a multiple of local_steps=3
 
 
-def _vector(model: nn.Module) -> torch.Tensor:
-    return nn.utils.parameters_to_vector(model.parameters()).detach().clone()
-
-
 def _build(model, local_steps=3, outer=OUTER, **extra):
-    cls, kwargs, *_ = OPTIMIZERS[NAME]
-    opt = cls(
-        _param_groups(model),
-        **kwargs,
-        topology="ring",
-        bucket_cap_mb=64 / 2**20,  # several buckets per group
-        local_steps=local_steps,
-        uneven=True,
-        outer=outer,
-        **extra,
-    )
-    opt.stop_at(10**6)  # uneven=True steps only with a budget; the tests' loops end first
-    return opt
-
-
-def _run_uneven(rank, n, sleeps, budget, local_steps, outer):
-    """Train to the budget with ``sleeps[rank]`` seconds per step; returns the parameters, the
-    steps taken, the (0-based) steps that mixed a round and the summed counts read there."""
-    model = _model()
-    opt = _build(model, local_steps, outer, timeout=60)
-    opt.stop_at(budget)
-    steps, mixed_at, totals = 0, [], []
-    while not opt.stopped:
-        time.sleep(sleeps[rank])
-        before = opt._rounds.mixed
-        opt.zero_grad()
-        _loss(model, rank, steps).backward()
-        opt.step()
-        if opt._rounds.mixed != before:
-            mixed_at.append(steps)
-            totals.append(opt._rounds.total)
-        steps += 1
-    return _vector(model), steps, mixed_at, totals
+    """build() with small buckets and an outer step."""
+    return build(model, local_steps, bucket_cap_mb=SMALL_BUCKETS, outer=outer, **extra)
 
 
 def _summed_counts(n, local_steps, runs):
@@ -92,7 +55,7 @@ def _reference(n, local_steps, runs, outer):
     split = sum(sizes[:2])
     segments = [Segment(0, split, hyper), Segment(split, sum(sizes), {**hyper, **GROUP1})]
     topo = get_topology("ring", n, 1)
-    x = [_vector(model).double() for _ in range(n)]
+    x = [vector(model).double() for _ in range(n)]
     slow = [v.clone() for v in x]  # the slow weights start as the parameters
     bufs: list[torch.Tensor | None] = [None] * n
     states = [[RefState() for _ in segments] for _ in range(n)]
@@ -146,14 +109,15 @@ def test_matches_the_dense_reference_with_uneven_step_counts():
     # speeds 4:2:1 (sleeps dominate the step), so that rounds come often enough for several
     # outer steps and S_k / n grows by about 7 a round, crossing multiples of 9 in most rounds
     n, local_steps, budget, outer = 3, 3, 70, dopt.LocalOuterSGD(lr=0.6, momentum=0.7, every=9)
-    runs = run_world(_run_uneven, n, [0.005, 0.01, 0.02], budget, local_steps, outer)
+    options = dict(bucket_cap_mb=SMALL_BUCKETS, outer=outer)
+    runs = run_world(run_uneven, n, [0.005, 0.01, 0.02], budget, local_steps, options)
     steps = [r[1] for r in runs]
     assert steps[0] > steps[2] + 2 * local_steps, f"the fast rank should step more: {steps}"
     want, sums, crossing = _reference(n, local_steps, runs, outer)
     print("S_k", sums, "outer steps at rounds", sorted(crossing))
     # every rank read the same S_k, the one the recorded steps give
     for r in runs:
-        assert r[3] == [float(s) for s in sums[1:]]
+        assert r.totals == [float(s) for s in sums[1:]]
     assert len(crossing) >= 2, f"too few outer steps to test: S_k {sums}"
     without, _, _ = _reference(n, local_steps, runs, None)
     assert (want - without).abs().max() > 1e-4, "the outer step should change the result"
@@ -188,7 +152,7 @@ def _one_worker_twin(local_steps, every, steps, sync):
                 outer.step()
                 for s, p in zip(slow, twin.parameters()):
                     p.copy_(s)
-    return _vector(twin), len(at & set(range(1, steps + 1)))
+    return vector(twin), len(at & set(range(1, steps + 1)))
 
 
 @pytest.mark.parametrize(
@@ -207,50 +171,26 @@ def test_one_worker_is_torch_adamw_inside_torch_sgd_nesterov_outside(local_steps
     )
     opt.stop_at(10**6)
     for t in range(steps):
-        opt.zero_grad()
-        _loss(model, 0, t).backward()
-        opt.step()
+        train_step(model, opt, 0, t)
         if sync:
             opt.synchronize()
     want, outer_steps = _one_worker_twin(local_steps, every, steps, sync)
     assert outer_steps >= 2
     plain = _one_worker_twin(local_steps, 10**6, steps, sync)[0]
     assert not torch.allclose(want, plain), "the outer step should change the result"
-    torch.testing.assert_close(_vector(model), want, rtol=0, atol=1e-14)
+    torch.testing.assert_close(vector(model), want, rtol=0, atol=1e-14)
 
 
 def _resume(rank, n, save_at, steps):
-    """Even ranks, each round given time to arrive before every step (as tests/test_uneven.py's
-    _run_even), so that arrivals repeat: ``steps`` in one go, and again from a checkpoint taken
+    """Even ranks, each round given time to arrive before every step (as _uneven's
+    run_in_time), so that arrivals repeat: ``steps`` in one go, and again from a checkpoint taken
     at ``save_at`` loaded into a new optimizer."""
 
-    def build():
+    def make():
         model = _model()
         return model, _build(model, local_steps=2, outer=dopt.LocalOuterSGD(every=3))
 
-    def run(model, opt, start, stop):
-        for t in range(start, stop):
-            waiter = opt._rounds._waiter
-            if waiter is not None:
-                waiter.thread.join()
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
-
-    model, opt = build()
-    run(model, opt, 0, save_at)
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    run(model, opt, save_at, steps)
-    straight, progress = _vector(model), opt.progress
-    opt.synchronize()
-    del opt
-    model, opt = build()
-    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    run(model, opt, save_at, steps)
-    return straight, _vector(model), progress, opt.progress
+    return resume_in_memory(rank, make, save_at, steps, in_time=True)
 
 
 @pytest.mark.multiprocess
@@ -260,7 +200,7 @@ def _resume(rank, n, save_at, steps):
 # next, every time with a round in flight
 @pytest.mark.parametrize("save_at", [3, 6, 7, 8, 9])
 def test_resume_mid_run_is_bit_exact(save_at):
-    for straight, resumed, progress, resumed_progress in run_world(_resume, 2, save_at, 15):
+    for straight, resumed, progress, resumed_progress, _ in run_world(_resume, 2, save_at, 15):
         assert torch.equal(straight, resumed)
         assert progress == resumed_progress
 
@@ -275,9 +215,7 @@ def _save_then_resize(rank, n, root, stage):
         t = 0
         while opt.round < 4:
             time.sleep(0.01 * rank)
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
+            train_step(model, opt, rank, t)
             t += 1
         checkpoint.save(root, model, opt, step=opt.round)
         checkpoint.wait(root)
@@ -287,10 +225,8 @@ def _save_then_resize(rank, n, root, stage):
     entry = opt.state_dict()["decent_optim"]["local_steps"]
     slow, momentum = entry["slow"], entry["slow_momentum"]
     for t in range(8):
-        opt.zero_grad()
-        _loss(model, rank, 100 + t).backward()
-        opt.step()
-    return slow, momentum, bool(torch.isfinite(_vector(model)).all())
+        train_step(model, opt, rank, 100 + t)
+    return slow, momentum, bool(torch.isfinite(vector(model)).all())
 
 
 @pytest.mark.multiprocess
@@ -310,9 +246,7 @@ def test_checkpoint_of_another_outer_setting_is_refused():
     model = _model()
     opt = _build(model, local_steps=2)
     for t in range(5):
-        opt.zero_grad()
-        _loss(model, 0, t).backward()
-        opt.step()
+        train_step(model, opt, 0, t)
     sd = opt.state_dict()
     assert set(sd["decent_optim"]["local_steps"]["slow"]) == {0, 1, 2, 3}
     for other in (dict(outer=None), dict(outer=dopt.LocalOuterSGD(every=6))):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 from _harness import run_world
-from test_uneven import _reference, _run_uneven
+from _uneven import SMALL_BUCKETS, run_uneven
+from test_uneven import _reference
 
 import decent_optim as dopt
 
@@ -48,8 +49,8 @@ def _taken(run) -> list[int]:
 
 
 def _run(rank, n, sleeps, budget, adaptive):
-    setting = dopt.Uneven(adaptive=adaptive)
-    return _run_uneven(rank, n, sleeps, budget, H, uneven=setting)
+    options = dict(uneven=dopt.Uneven(adaptive=adaptive), bucket_cap_mb=SMALL_BUCKETS)
+    return run_uneven(rank, n, sleeps, budget, H, options)
 
 
 SLEEPS = [0.004, 0.004, 0.04]  # rank 2 ten times slower than the others

@@ -25,7 +25,8 @@ time of a two-rank all-reduce (ring 16 MB: 32 ms vs 44 ms); for a group of four 
 all-reduce took 0.55-0.62x the time of three point-to-point exchanges per rank (16 MB: 46 ms vs
 83 ms). Pass ``transport="p2p"`` or ``"allreduce"`` to :class:`Gossiper` to force one.
 
-Module map: :mod:`~decent_optim.gossip.handle` (a round in flight, timeouts),
+Module map: :mod:`~decent_optim.gossip.handle` (a round in flight, its deadline),
+:mod:`~decent_optim.gossip.failures` (what a failed wait raises: dead peer, timeout, late ranks),
 :mod:`~decent_optim.gossip.exchange` (the strategy interface and the shared receive buffers),
 :mod:`~decent_optim.gossip.gossiper` (the choice per round), :mod:`~decent_optim.gossip.collectives`
 (start-up collectives and measurements), :mod:`~decent_optim.gossip.averager` (a torch
@@ -49,8 +50,9 @@ from decent_optim.gossip.collectives import (
     resolve_group,
 )
 from decent_optim.gossip.elastic import check_restarts
+from decent_optim.gossip.failures import GossipError
 from decent_optim.gossip.gossiper import TRANSPORTS, Gossiper, LocalGossiper
-from decent_optim.gossip.handle import GossipError, GossipHandle, PendingMix
+from decent_optim.gossip.handle import GossipHandle, PendingMix
 
 __all__ = [
     "TRANSPORTS",

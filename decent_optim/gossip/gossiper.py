@@ -15,7 +15,8 @@ from decent_optim.gossip.allreduce import GroupAllReduce
 from decent_optim.gossip.collectives import identical, wait_bounded
 from decent_optim.gossip.compressed import CompressedGroup, loader
 from decent_optim.gossip.exchange import Exchange, Idle, Link
-from decent_optim.gossip.handle import GossipError, GossipHandle
+from decent_optim.gossip.failures import GossipError
+from decent_optim.gossip.handle import GossipHandle
 from decent_optim.gossip.local import LocalGossiper
 from decent_optim.gossip.nodes import NodeAverage, Parts
 from decent_optim.gossip.p2p import PointToPoint

@@ -3,7 +3,7 @@
 The last part of a mix can be left to the caller (:class:`PendingMix`): the optimizer then applies
 it inside its own update, which saves passes over the buffer. A round of several exchanges in a
 row can leave all but the first to :meth:`GossipHandle.wait` (``phases``), so that its launch
-waits for nobody."""
+waits for nobody. What a failed wait raises is worded in :mod:`~decent_optim.gossip.failures`."""
 
 from __future__ import annotations
 
@@ -14,45 +14,9 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-__all__ = ["DONE", "NO_MIX", "GossipError", "GossipHandle", "PendingMix"]
+from decent_optim.gossip.failures import PEER_GONE_HINT, GossipError, explain
 
-
-class GossipError(RuntimeError):
-    """A gossip round could not complete: a peer died, stopped stepping, or timed out."""
-
-
-#: what the transports say when the other end of a connection went away: gloo's "Connection
-#: closed by peer" (an orderly close, e.g. the process exited), "Connection reset by peer" (the
-#: kernel reset it, e.g. the process was killed), "Socket closed"; NCCL's "remote process exited"
-_CLOSED = (
-    "connection closed",
-    "connection reset",
-    "socket closed",
-    "broken pipe",
-    "remote process exited",
-)
-
-#: a wait that failed this close to its deadline timed out: the transports end a wait a little
-#: early (gloo's "Operation timed out!" after 1.99x s of a 2 s wait)
-_SLACK_S = 0.1
-
-#: what to do about a peer whose process is gone
-PEER_GONE_HINT = (
-    "Look for the first error in that peer's log (a traceback, an out-of-memory kill); the "
-    "ranks are now out of step: restart the job, or resume every rank from a checkpoint "
-    "(torchrun --max-restarts with decent_optim.checkpoint, see docs/surviving_failures)"
-)
-
-
-def connection_closed(err: BaseException) -> bool:
-    """Whether a transport error says the peer's end of the connection closed."""
-    text = str(err).lower()
-    return any(phrase in text for phrase in _CLOSED)
-
-
-def timed_out(err: BaseException) -> bool:
-    """Whether a transport error is a timeout of its own (gloo: "Timed out waiting 2999ms")."""
-    return "timed out" in str(err).lower() or "timeout" in type(err).__name__.lower()
+__all__ = ["DONE", "NO_MIX", "GossipHandle", "PendingMix"]
 
 
 class PendingMix(NamedTuple):
@@ -181,71 +145,19 @@ class GossipHandle:
             except RuntimeError as err:
                 waiting = sorted({p for _, p in works[k:] if p is not None})
                 failed = works[k][1]  # the peer of the transfer that failed (None: a collective)
-                raise GossipError(self._explain(waiting, failed, start, deadline, err)) from err
-
-    def _explain(
-        self,
-        waiting: list[int],
-        failed: int | None,
-        start: float,
-        deadline: float | None,
-        err: Exception,
-    ) -> str:
-        """What a failed wait knows, and what usually causes it (a rank busy alone included)."""
-        waited = time.monotonic() - start
-        if connection_closed(err):
-            # a transport error, not a timeout: say so, or the user hunts for a slow rank
-            who = self._who([failed] if failed is not None else waiting)
-            what = (
-                f"the connection to {who} closed after {waited:.1f} s of waiting: the other "
-                "end's process is gone (it crashed, was killed, or exited) or it shut its "
-                "process group down (after an error of its own)"
-            )
-            # the context's hint still applies: the other end may have failed for that reason
-            hint = PEER_GONE_HINT if self._hint is None else f"{self._hint}. {PEER_GONE_HINT}"
-            return f"[rank {self.rank}] {self.what}: {what}. {hint}. Cause: {err}"
-        who = self._who(waiting)
-        late = self._late() if self._late is not None else []
-        if late:  # the others arrived: the late ones are the ones to look at
-            limit = "" if self.timeout is None else f" (timeout {self.timeout.total_seconds():g} s)"
-            what = (
-                f"rank(s) {late} of its group never reached it{limit}; the others did; "
-                f"waited {waited:.1f} s"
-            )
-        elif deadline is not None and time.monotonic() >= deadline - _SLACK_S:
-            assert self.timeout is not None
-            limit = f"timeout {self.timeout.total_seconds():g} s"
-            what = (
-                f"{who} did not take part in it within the timeout ({limit}); waited {waited:.1f} s"
-            )
-        elif timed_out(err):  # the process group's own timeout, shorter than ours or alone
-            what = (
-                f"{who} did not take part in it within the process group's timeout (waited "
-                f"{waited:.1f} s)"
-            )
-        else:
-            before = (
-                ""
-                if self.timeout is None
-                else f", before the {self.timeout.total_seconds():g} s timeout"
-            )
-            what = f"waiting on {who} failed after {waited:.1f} s{before}"
-        hint = self._hint or (
-            "A peer may have died, called "
-            "step() fewer times than this rank (every rank must call step() once per iteration), "
-            "or be busy in work that only some ranks do, such as evaluation or checkpointing "
-            "under `if rank == 0:`. Evaluate on every rank inside opt.averaged(model), or call "
-            "opt.synchronize() and a barrier around rank-only work, or pass a longer timeout= "
-            '(see "Rank-only work" in docs/training_loops)'
-        )
-        return f"[rank {self.rank}] {self.what}: {what}. {hint}. Cause: {err}"
-
-    def _who(self, peers: list[int]) -> str:
-        if peers:
-            return f"peer(s) {peers}"
-        if self._group_peers:
-            return f"its group (the other rank(s): {self._group_peers})"
-        return "its gossip group"
+                message = explain(
+                    f"[rank {self.rank}] {self.what}",
+                    err,
+                    waiting=waiting,
+                    failed=failed,
+                    group_peers=self._group_peers,
+                    start=start,
+                    deadline=deadline,
+                    timeout=self.timeout,
+                    late=self._late,
+                    hint=self._hint,
+                )
+                raise GossipError(message) from err
 
     def mix_(self) -> None:
         """Overwrite the buffers with the weighted mix (once; after :meth:`wait`)."""

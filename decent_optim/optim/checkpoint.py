@@ -9,7 +9,8 @@ step after loading runs that round again before it mixes, which reproduces the u
 run bit for bit (all ranks resume together, so their sends match).
 
 Loading is a collective (:func:`agree_to_load`): before anything changes, each rank checks its
-file on its own -- torch.optim's structure, every state tensor's shape, every step count, and
+file on its own -- the settings of local steps (:func:`~decent_optim.optim.local_checkpoint.check`),
+torch.optim's structure, every state tensor's shape, every step count, and
 that the file is its own (same world size, rank or replica, and topology:
 :mod:`~decent_optim.optim.ownership`) -- and then one all-gather
 compares the round (counter and round in flight) across the ranks. Any problem raises the same
@@ -185,7 +186,11 @@ def agree_to_load(
     error on every rank. ``group`` None: a world of one. ``another_replica``: a file of another
     rank or replica is meant (:func:`~decent_optim.optim.ownership.check_owner`)."""
     account, own, resume = Account(), None, Resume(0, False, None)
+    entry = extra.get(local_checkpoint.ENTRY) if isinstance(extra, dict) else None
     try:
+        # here, not before the call: a rank whose file's local steps do not fit must not raise
+        # alone, or the others would wait for it in agree() below until the timeout
+        local_checkpoint.check(optimizer._rounds, entry)
         _check_structure(optimizer, state_dict)
         resume = _read(extra, state_dict)
         check_owner(
@@ -196,7 +201,6 @@ def agree_to_load(
             another_replica=another_replica,
         )
         flight = "a round in flight" if resume.pending else "no round in flight"
-        entry = extra.get(local_checkpoint.ENTRY) if isinstance(extra, dict) else None
         rounds = local_checkpoint.round_of(entry, resume.pending)
         if rounds is None:
             account.settings = [("the round", f"{resume.count} steps done, {flight}")]

@@ -70,7 +70,11 @@ def round_of(entry: Any, pending: bool) -> str | None:
 
 
 def check(rounds: Rounds, entry: Any) -> None:
-    """Raise, before anything changes, if a checkpoint's local steps differ from the optimizer's."""
+    """Raise, before anything changes, if a checkpoint's local steps differ from the optimizer's.
+
+    Called inside :func:`~decent_optim.optim.checkpoint.agree_to_load`, whose agreement turns
+    one rank's error into the same error on every rank, naming it (alone, that rank would leave
+    while the others wait for it in the agreement's collective)."""
     local = rounds.local_steps if isinstance(rounds, LocalRounds) else 1
     outer = repr(rounds.setting) if isinstance(rounds, LocalRounds) else repr(None)
     uneven = isinstance(rounds, UnevenRounds)

@@ -53,7 +53,7 @@ class StateDicts:
         """
         extra = state_dict.get(checkpoint.KEY)
         entry = extra.get(local_checkpoint.ENTRY) if isinstance(extra, dict) else None
-        local_checkpoint.check(self._rounds, entry)
+        # checks the entry with the rest, on every rank (local_checkpoint.check)
         checkpoint.load(self, state_dict, another_replica=another_replica)  # type: ignore[arg-type]
         local_checkpoint.restore(self._rounds, entry, self._params_in_order())
 
