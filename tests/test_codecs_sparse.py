@@ -331,7 +331,9 @@ def test_rounds_match_the_dense_reference_keep_the_mean_and_reach_consensus(
     scale = _start(n).abs().max()
     torch.testing.assert_close(mean, mean[:1].expand_as(mean), rtol=0, atol=1e-13 * scale)
     spread = (got - mean).norm(dim=(0, 2))
-    assert spread[-1] < 0.97 * spread[1], spread  # the consensus distance falls
+    # the consensus distance falls, round after round once every group's copies are primed
+    # (slowly for random-k: its consensus step is k / 2C)
+    assert spread[-1] < 0.95 * spread[0] and (spread[4:].diff() < 0).all(), spread
 
 
 # -- bytes on the wire ---------------------------------------------------------------------------
