@@ -91,7 +91,9 @@ def test_int8_resumes_bit_for_bit(topology, n, local_steps, uneven, save_at, syn
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("compression", ["rand1%+int4", "top1%+int2", "int2"])
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4], CASES[5]], ids=str)
+@pytest.mark.parametrize(
+    "case", [CASES[0], CASES[2], CASES[4], CASES[5]], ids=lambda c: "-".join(map(str, c))
+)
 def test_sparse_codecs_resume_bit_for_bit(case, compression, tmp_path):
     """The random positions come from the round and the bucket: a resumed run draws the same."""
     topology, n, local_steps, uneven, save_at, sync = case
