@@ -16,10 +16,9 @@ In well under a minute it measures, at the given model size:
   table with the reason); with ``--compression bf16 int8 top1%+int2`` also the compressed rounds
   (``<topology>+<compression>``; only on more than one node, where they apply).
 
-With ``--r R`` (seconds one float32 copy of the model takes over a node's uplink, divided by the
-seconds of one step) it also names the compression that keeps a round hidden behind compute, for
-``local_steps=1`` and each ``--local-steps`` H: the one with the most bytes whose round crosses in
-at most H steps (:func:`decent_optim.runtime.wire.hidden`); without torchrun it prints only that.
+With ``--r R`` (seconds of one float32 copy over a node's uplink / seconds per step) it also names
+the compression that keeps a round hidden for each H (:func:`decent_optim.runtime.wire.hidden`);
+without torchrun it prints only that.
 
 With ``--local-steps 4 16`` it also predicts every topology gossiping every H steps
 (``local_steps=H``: the round travels during H iterations) and DiLoCo's blocking all-reduce of
@@ -276,25 +275,10 @@ def format_table(measured: dict, rows: list[tuple[runtime.Prediction, float]]) -
     return "\n".join(lines)
 
 
-def hiding_lines(r: float, local_steps: Sequence[int], names: Sequence[str]) -> list[str]:
-    """Which codec keeps a round hidden at ``r`` (:func:`decent_optim.runtime.wire.hidden`)."""
-    chosen = tuple(names) or wire.CANDIDATES
-    rows, _ = wire.hidden(r, 1, chosen)
-    lines = [f"R = {r:g}: steps a round takes over an uplink (one copy per direction): "]
-    lines[0] += ", ".join(f"{name} {steps:.3g}" for name, steps in rows)
-    for h in sorted({1, *local_steps}):
-        best = wire.hidden(r, h, chosen)[1]
-        lines.append(
-            f"local_steps={h}: "
-            + (f"compression={best!r} keeps a round hidden" if best else "no round is hidden")
-        )
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.r is not None and "RANK" not in os.environ:  # the table alone: nothing to measure
-        print("\n".join(hiding_lines(args.r, args.local_steps, args.compression)))
+        print(wire.hidden_text(args.r, args.local_steps, args.compression))
         return 0
     if "RANK" not in os.environ:
         raise SystemExit(
@@ -309,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         if group_info()[0] == 0:
             print(format_table(measured, rows), flush=True)
             if args.r is not None:
-                print("\n".join(hiding_lines(args.r, args.local_steps, args.compression)))
+                print(wire.hidden_text(args.r, args.local_steps, args.compression))
             if args.json:
                 out = {
                     "measured": measured,

@@ -370,3 +370,19 @@ def test_bytes_sent_are_the_payloads(topology, n, local, compression):
             later = other * 8 + payload + own * 8
             per_round = [other * 8 + own * 8] + [later] * (steps - 1)
         assert sent == list(np.cumsum(per_round)), (rank, sent)
+
+
+# -- the plan: which codec keeps a round hidden at R ----------------------------------------------
+def test_plan_names_the_codec_whose_round_crosses_in_time(capsys, monkeypatch):
+    from decent_optim import plan
+
+    monkeypatch.delenv("RANK", raising=False)  # the table alone needs no launcher
+    assert plan.main(["--r", "30", "--local-steps", "8"]) == 0
+    out = capsys.readouterr().out
+    # per element: top1%+int8 (4 + 2 * 10 + 10) / 1024 bytes, 30 * that / 4 = 0.249 steps, the
+    # most bytes under 1 step (top10%+int4: (4 + 204 + 51) / 1024 -> 1.90, int2 1.90); int8
+    # 30 * (1 + 4 / 1024) / 4 = 7.53 steps under 8, bf16 15
+    assert "local_steps=1: compression='top1%+int8' keeps a round hidden" in out
+    assert "local_steps=8: compression='int8' keeps a round hidden" in out
+    assert plan.main(["--r", "1000", "--compression", "int8"]) == 0
+    assert "local_steps=1: no round is hidden" in capsys.readouterr().out

@@ -18,6 +18,7 @@ positions as uint16; random-k sends one 8-byte seed per payload instead of posit
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "Spec",
     "bytes_per_element",
     "hidden",
+    "hidden_text",
     "names_help",
     "parse",
 ]
@@ -140,3 +142,16 @@ def hidden(
     fits = [name for name, steps in rows if steps <= local_steps]
     best = max(fits, key=bytes_per_element, default=None)
     return rows, best
+
+
+def hidden_text(r: float, local_steps: Sequence[int] = (), names: Sequence[str] = ()) -> str:
+    """:func:`hidden` for ``local_steps=1`` and each of ``local_steps``, as the plan prints it."""
+    chosen = tuple(names) or CANDIDATES
+    rows, _ = hidden(r, 1, chosen)
+    lines = [f"R = {r:g}: steps a round takes over an uplink (one copy per direction): "]
+    lines[0] += ", ".join(f"{name} {steps:.3g}" for name, steps in rows)
+    for h in sorted({1, *local_steps}):
+        best = hidden(r, h, chosen)[1]
+        found = f"compression={best!r} keeps a round hidden" if best else "no round is hidden"
+        lines.append(f"local_steps={h}: {found}")
+    return "\n".join(lines)
