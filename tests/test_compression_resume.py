@@ -17,12 +17,13 @@ from test_optim_multiprocess import OPTIMIZERS, _loss, _model, _param_groups
 from test_uneven import _vector
 from test_uneven_checkpoints import PERIODS, _mixing_step, _resumed, _straight
 
+import decent_optim as dopt
 from decent_optim import checkpoint
 
 NAME = "DecentralizedAdamW"
 
 
-def _build(model, topology, local_steps, uneven, compression="int8"):
+def _build(model, topology, local_steps, uneven, compression="int8", outer=None):
     cls, kwargs, *_ = OPTIMIZERS[NAME]
     opt = cls(
         _param_groups(model),
@@ -32,6 +33,7 @@ def _build(model, topology, local_steps, uneven, compression="int8"):
         local_steps=local_steps,
         uneven=uneven,
         compression=compression,
+        outer=outer,
         local_world_size=1,
         timeout=60,
     )
@@ -40,13 +42,24 @@ def _build(model, topology, local_steps, uneven, compression="int8"):
 
 
 def _run(
-    rank, n, folder, topology, local_steps, uneven, save_at, sync, steps, resume, compression="int8"
+    rank,
+    n,
+    folder,
+    topology,
+    local_steps,
+    uneven,
+    save_at,
+    sync,
+    steps,
+    resume,
+    compression="int8",
+    outer=None,
 ):
     """``steps`` steps; the uninterrupted run saves after ``save_at`` (after synchronize() with
     ``sync``), the resumed one starts from that file. Rounds of ``uneven=True`` are given time
     to arrive before each step, so that they are mixed where the step-locked schedule mixes."""
     model = _model()
-    opt = _build(model, topology, local_steps, uneven, compression)
+    opt = _build(model, topology, local_steps, uneven, compression, outer)
     path = Path(folder, f"rank{rank}.pt")
     start = 0
     if resume:
@@ -100,6 +113,19 @@ def test_sparse_codecs_resume_bit_for_bit(case, compression, tmp_path):
     args = (str(tmp_path), topology, local_steps, uneven, save_at, sync, 16)
     straight = run_world(_run, n, *args, False, compression)
     resumed = run_world(_run, n, *args, True, compression)
+    assert not torch.equal(straight[0], straight[1]), "the ranks should differ"
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("uneven", [False, True])
+def test_sparse_codecs_resume_bit_for_bit_with_a_slow_outer_step(uneven, tmp_path):
+    # step-locked: every 6 steps (a multiple of local_steps); uneven=True: 5 DDP-equivalent steps
+    outer = dopt.LocalOuterSGD(lr=0.6, momentum=0.7, every=5 if uneven else 6)
+    args = (str(tmp_path), "ring", 3, uneven, 7, False, 16)  # 3 ranks, local_steps=3
+    straight = run_world(_run, 3, *args, False, "rand1%+int4", outer)
+    resumed = run_world(_run, 3, *args, True, "rand1%+int4", outer)
     assert not torch.equal(straight[0], straight[1]), "the ranks should differ"
     for a, b in zip(straight, resumed):
         assert torch.equal(a, b)
