@@ -274,7 +274,7 @@ def _simulate(name: str, topology: str, n: int, local: int, x: torch.Tensor, rou
                 for a, m in enumerate(means):
                     for lo, hi in _shards(x.shape[1], len(parts[0])):
                         q = reference(
-                            keep, percent, bits, CHUNK, m[lo:hi], held[a][lo:hi], hash((t, 0, a))
+                            keep, percent, bits, CHUNK, m[lo:hi], held[a][lo:hi], (t << 36) + a
                         )
                         held[a][lo:hi] += q
             for a, part in enumerate(parts):

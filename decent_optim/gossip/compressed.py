@@ -157,7 +157,8 @@ class CompressedGroup(AcrossNodes):
                 if resend is not None:  # sent before a checkpoint: the own copy has it
                     out.copy_(resend[1][b])
                 else:
-                    seed = hash((step, b, parts.mine))  # random codecs: new draws every round
+                    # random codecs: new draws every round, the same ones after a resume
+                    seed = (((step << 20) + b) << 16) + parts.mine
                     codec.encode_(m, held[parts.mine], out, absorb=True, seed=seed)
                 ins = [
                     link.scratch(("payload", b, k), size, torch.uint8, m.device)
