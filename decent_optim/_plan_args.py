@@ -6,7 +6,8 @@ import argparse
 import math
 from typing import Any
 
-from decent_optim import runtime, topologies
+from decent_optim import topologies
+from decent_optim.runtime import wire
 
 __all__ = ["LAUNCH", "parse", "parser"]
 
@@ -42,6 +43,14 @@ def _topology_name(text: str) -> str:
     if text not in topologies.names():
         valid = ", ".join(topologies.names())
         raise argparse.ArgumentTypeError(f"unknown topology {text!r}; valid names are {valid}")
+    return text
+
+
+def _compression_name(text: str) -> str:
+    try:
+        wire.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return text
 
 
@@ -87,8 +96,18 @@ def parser() -> argparse.ArgumentParser:
         "--compression",
         nargs="*",
         default=[],
-        choices=sorted(runtime.WIRE_BYTES),
-        help="also measure the topologies' rounds compressed this way (several nodes only)",
+        type=_compression_name,
+        help="also measure the topologies' rounds compressed this way (several nodes only): "
+        + wire.names_help(),
+    )
+    p.add_argument(
+        "--r",
+        type=_number(float, 0, True),
+        default=None,
+        metavar="R",
+        help="seconds one float32 copy of the model takes over a node's uplink / seconds per "
+        "step: print which compression keeps a round hidden at R (with --local-steps, per H; "
+        "the --compression names, else a list of candidates); without torchrun only that",
     )
     p.add_argument(
         "--local-steps",

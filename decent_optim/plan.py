@@ -13,8 +13,12 @@ In well under a minute it measures, at the given model size:
 * one all-reduce of the whole model (what DDP moves per iteration, without its overlap);
 * one gossip round of each topology that fits the world size, round by round (a topology that
   does not fit -- ``one-peer-exp`` needs a power-of-two number of workers -- is listed under the
-  table with the reason); with ``--compression bf16 int8`` also the compressed rounds
+  table with the reason); with ``--compression bf16 int8 top1%+int2`` also the compressed rounds
   (``<topology>+<compression>``; only on more than one node, where they apply).
+
+With ``--r R`` (seconds of one float32 copy over a node's uplink / seconds per step) it also names
+the compression that keeps a round hidden for each H (:func:`decent_optim.runtime.wire.hidden`);
+without torchrun it prints only that.
 
 With ``--local-steps 4 16`` it also predicts every topology gossiping every H steps
 (``local_steps=H``: the round travels during H iterations) and DiLoCo's blocking all-reduce of
@@ -55,6 +59,7 @@ from decent_optim.gossip.collectives import (
     shutdown,
     slowest,
 )
+from decent_optim.runtime import wire
 
 __all__ = ["main", "measure"]
 
@@ -272,6 +277,9 @@ def format_table(measured: dict, rows: list[tuple[runtime.Prediction, float]]) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.r is not None and "RANK" not in os.environ:  # the table alone: nothing to measure
+        print(wire.hidden_text(args.r, args.local_steps, args.compression))
+        return 0
     if "RANK" not in os.environ:
         raise SystemExit(
             "decent_optim.plan measures the job's communication, so it must run in every "
@@ -284,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = predict(measured, args.overlap, args.local_steps, speeds)
         if group_info()[0] == 0:
             print(format_table(measured, rows), flush=True)
+            if args.r is not None:
+                print(wire.hidden_text(args.r, args.local_steps, args.compression))
             if args.json:
                 out = {
                     "measured": measured,

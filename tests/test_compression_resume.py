@@ -26,28 +26,43 @@ from _uneven import (
 )
 from test_optim_multiprocess import _model
 
+import decent_optim as dopt
 from decent_optim import checkpoint
 
 
-def _options(topology, local_steps, uneven):
+def _options(topology, local_steps, uneven, compression="int8", outer=None):
     """build()'s: every exchange compressed (a node per rank)."""
     return dict(
         topology=topology,
         bucket_cap_mb=SMALL_BUCKETS,
         local_steps=local_steps,
         uneven=uneven,
-        compression="int8",
+        compression=compression,
+        outer=outer,
         local_world_size=1,
         timeout=60,
     )
 
 
-def _run(rank, n, folder, topology, local_steps, uneven, save_at, sync, steps, resume):
+def _run(
+    rank,
+    n,
+    folder,
+    topology,
+    local_steps,
+    uneven,
+    save_at,
+    sync,
+    steps,
+    resume,
+    compression="int8",
+    outer=None,
+):
     """``steps`` steps; the uninterrupted run saves after ``save_at`` (after synchronize() with
     ``sync``), the resumed one starts from that file. Rounds of ``uneven=True`` are given time
     to arrive before each step, so that they are mixed where the step-locked schedule mixes."""
     model = _model()
-    opt = build(model, **_options(topology, local_steps, uneven))
+    opt = build(model, **_options(topology, local_steps, uneven, compression, outer))
     path = Path(folder, f"rank{rank}.pt")
     before_save = (lambda opt: opt.synchronize()) if sync else None
     return save_or_resume(rank, model, opt, path, save_at, steps, resume, before_save)
@@ -75,6 +90,35 @@ def test_int8_resumes_bit_for_bit(topology, n, local_steps, uneven, save_at, syn
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("compression", ["rand1%+int4", "top1%+int2", "int2"])
+@pytest.mark.parametrize(
+    "case", [CASES[0], CASES[2], CASES[4], CASES[5]], ids=lambda c: "-".join(map(str, c))
+)
+def test_sparse_codecs_resume_bit_for_bit(case, compression, tmp_path):
+    """The random positions come from the round and the bucket: a resumed run draws the same."""
+    topology, n, local_steps, uneven, save_at, sync = case
+    args = (str(tmp_path), topology, local_steps, uneven, save_at, sync, 16)
+    straight = run_world(_run, n, *args, False, compression)
+    resumed = run_world(_run, n, *args, True, compression)
+    assert not torch.equal(straight[0], straight[1]), "the ranks should differ"
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("uneven", [False, True])
+def test_sparse_codecs_resume_bit_for_bit_with_a_slow_outer_step(uneven, tmp_path):
+    # step-locked: every 6 steps (a multiple of local_steps); uneven=True: 5 DDP-equivalent steps
+    outer = dopt.LocalOuterSGD(lr=0.6, momentum=0.7, every=5 if uneven else 6)
+    args = (str(tmp_path), "ring", 3, uneven, 7, False, 16)  # 3 ranks, local_steps=3
+    straight = run_world(_run, 3, *args, False, "rand1%+int4", outer)
+    resumed = run_world(_run, 3, *args, True, "rand1%+int4", outer)
+    assert not torch.equal(straight[0], straight[1]), "the ranks should differ"
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("how", ["checkpoint.load", "load_state_dict"])
 def test_int8_resumes_bit_for_bit_with_really_uneven_ranks(how, tmp_path):
     options = dict(compression="int8", local_world_size=1)
@@ -89,10 +133,10 @@ def test_int8_resumes_bit_for_bit_with_really_uneven_ranks(how, tmp_path):
         assert torch.equal(x, y)
 
 
-def _resize(rank, n, folder, stage):
+def _resize(rank, n, folder, stage, compression="int8"):
     """Stage "save": 3 ranks save a directory checkpoint mid-run; "load": 2 ranks resume it."""
     model = _model()
-    opt = build(model, **_options("ring", 1, False))
+    opt = build(model, **_options("ring", 1, False, compression))
     root = Path(folder, "ckpt")
     if stage == "save":
         for t in range(5):
@@ -109,7 +153,8 @@ def _resize(rank, n, folder, stage):
 
 
 @pytest.mark.multiprocess
-def test_at_another_world_size_the_copies_start_over(tmp_path):
-    run_world(_resize, 3, str(tmp_path), "save")
-    for primed, finite in run_world(_resize, 2, str(tmp_path), "load"):
+@pytest.mark.parametrize("compression", ["int8", "top1%+int2"])
+def test_at_another_world_size_the_copies_start_over(compression, tmp_path):
+    run_world(_resize, 3, str(tmp_path), "save", compression)
+    for primed, finite in run_world(_resize, 2, str(tmp_path), "load", compression):
         assert primed == [False] and finite

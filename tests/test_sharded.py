@@ -142,10 +142,15 @@ def test_consensus_export_loads_into_another_shard_count():
         assert all(torch.equal(p, export[k]) for p, k in zip(params, export))
 
 
-def test_int8_compression_within_its_bound():
+@pytest.mark.parametrize(
+    "compression, tol",
+    [("int8", 5e-3), ("int4", 5e-3), ("top1%+int2", 2e-3), ("rand1%+int4", 5e-4)],
+)
+def test_compression_within_its_bound(compression, tol):
     # the sharded run quantises slices of 1024 values of its own buckets, the unsharded one
-    # of its buckets: not the same bits, but each within the int8 codec's error of the truth
-    _compare(2, 2, "DSGD", "ring", options=dict(compression="int8", local_world_size=1), tol=5e-3)
+    # of its buckets: not the same bits, but each within the codec's error of the truth
+    options = dict(compression=compression, local_world_size=1)
+    _compare(2, 2, "DSGD", "ring", options=options, tol=tol)
 
 
 def _padding(model: torch.nn.Module) -> list[float]:

@@ -38,6 +38,7 @@ class GroupAllReduce(Exchange):
         for src, dst in zip(buffers, copies):
             dst.copy_(src)
             works.append((dist.all_reduce(dst, group=self.group, async_op=True), None))
+            self.link.count_allreduce(dst, self.size)
         scale = 1.0 / self.size
 
         def finish(defer_addend: bool) -> list[PendingMix]:

@@ -15,55 +15,38 @@ keep bit-identical copies (see :mod:`decent_optim.gossip.compressed`).
 
 Both work a slice of the buffers at a time (:data:`SLICE` elements), so that the float
 temporaries stay in cache and a pass costs only its reads and writes of the buffers.
+
+The sparse and low-bit codecs are in :mod:`decent_optim.gossip.sparse_codecs`; :func:`get` makes
+any codec from its name: ``"int4"`` and ``"int2"`` are ``Quantized(4)`` and ``Quantized(2)``,
+``"rand<p>%"`` is ``RandomK(p)``, ``"top<p>%"`` is ``TopK(p)``, and ``"+int8"``, ``"+int4"``,
+``"+int2"`` after either is ``bits=8, 4, 2`` (``"top1%+int2"`` is ``TopK(1, bits=2)``). A codec
+object passes through :func:`get` unchanged.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["CHUNK", "CODECS", "SLICE", "Bf16", "Codec", "Int8", "get"]
+from decent_optim.gossip.codec_base import CHUNK, SLICE, Codec
+from decent_optim.gossip.sparse_codecs import Chunked, Quantized, RandomK, TopK  # noqa: F401
+from decent_optim.runtime import wire
 
-#: elements per int8 chunk (one float32 scale each)
-CHUNK = 1024
-#: elements per slice of a pass (a multiple of CHUNK): float32 temporaries of 1 MB stay in cache,
-#: and a slice is long enough that the per-operation overhead is small (measured on a 2-core
-#: CPU, 6.3M elements: 2**15: 29 ms to encode, 2**17: 9.1 ms, 2**18: 7.7 ms, 2**19: 7.0 ms)
-SLICE = 1 << 18
-
-
-class Codec(ABC):
-    """Encodes :math:`a - b` into a ``uint8`` payload; decodes a payload into ``out += values``."""
-
-    #: the name ``compression=`` takes
-    name: str
-    #: bytes on the wire per element, for the runtime model (scales included)
-    bytes_per_element: float
-
-    @abstractmethod
-    def nbytes(self, numel: int) -> int:
-        """Size in bytes of the payload of ``numel`` elements."""
-
-    @abstractmethod
-    def encode_(self, a: Tensor, b: Tensor, payload: Tensor, *, absorb: bool = False) -> None:
-        """``payload <- Q(a - b)``; ``a`` and ``b`` are one-dimensional and alike.
-
-        With ``absorb``, also ``b += decode(payload)`` in the same pass over memory, with the
-        same operations :meth:`decode_add_` uses (so the same bits).
-        """
-
-    @abstractmethod
-    def decode_add_(self, payload: Tensor, out: Tensor, lo: int = 0, hi: int | None = None) -> None:
-        """``out[lo:hi] += decode(payload)[lo:hi]``; ``lo`` a multiple of :data:`CHUNK`."""
-
-    @abstractmethod
-    def nonfinite(self, payload: Tensor) -> Tensor:
-        """A 0-d bool tensor: whether ``payload`` decodes to some inf or NaN (no host read)."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+__all__ = [
+    "CHUNK",
+    "CODECS",
+    "SLICE",
+    "Bf16",
+    "Chunked",
+    "Codec",
+    "Int8",
+    "Quantized",
+    "RandomK",
+    "TopK",
+    "get",
+]
 
 
 class Bf16(Codec):
@@ -75,7 +58,15 @@ class Bf16(Codec):
     def nbytes(self, numel: int) -> int:
         return 2 * numel
 
-    def encode_(self, a: Tensor, b: Tensor, payload: Tensor, *, absorb: bool = False) -> None:
+    def encode_(
+        self,
+        a: Tensor,
+        b: Tensor,
+        payload: Tensor,
+        *,
+        absorb: bool = False,
+        seed: int | None = None,
+    ) -> None:
         values = payload.view(torch.bfloat16)
         for lo in range(0, a.numel(), SLICE):
             hi = min(lo + SLICE, a.numel())
@@ -118,7 +109,15 @@ class Int8(Codec):
             torch.float32
         )
 
-    def encode_(self, a: Tensor, b: Tensor, payload: Tensor, *, absorb: bool = False) -> None:
+    def encode_(
+        self,
+        a: Tensor,
+        b: Tensor,
+        payload: Tensor,
+        *,
+        absorb: bool = False,
+        seed: int | None = None,
+    ) -> None:
         values, scales = self.parts(payload)
         n = a.numel()
         tmp = self._tmp(a)
@@ -174,20 +173,32 @@ class Int8(Codec):
         return tmp
 
 
-#: the codecs by the name ``compression=`` takes
-CODECS: dict[str, type[Codec]] = {"bf16": Bf16, "int8": Int8}
+#: the codecs of a fixed name (more by pattern: :mod:`decent_optim.runtime.wire`)
+CODECS: dict[str, Callable[[], Codec]] = {
+    "bf16": Bf16,
+    "int8": Int8,
+    "int4": lambda: Quantized(4),
+    "int2": lambda: Quantized(2),
+}
 
 
-def get(name: str) -> Codec:
-    """A new codec by name; raises ValueError for an unknown one."""
+def get(name: str | Codec) -> Codec:
+    """A new codec by name (:func:`decent_optim.runtime.wire.names_help` lists the grammar), or
+    ``name`` itself if it is a :class:`Codec`; TypeError or ValueError for anything else."""
+    if isinstance(name, Codec):
+        return name
     if isinstance(name, bool) or not isinstance(name, str):
         raise TypeError(
-            f"compression must be None or one of {sorted(CODECS)}, got {type(name).__name__}"
+            f"compression must be None or one of {wire.names_help()} (or a "
+            f"decent_optim.gossip.codecs.Codec), got {type(name).__name__}"
         )
-    cls = CODECS.get(name)
-    if cls is None:
-        raise ValueError(
-            f"compression must be None or one of {sorted(CODECS)}, got {name!r}; "
-            "None sends the parameters uncompressed"
-        )
-    return cls()
+    make = CODECS.get(name)
+    if make is not None:
+        return make()
+    try:
+        spec = wire.parse(name)
+    except ValueError as err:
+        raise ValueError(f"{err}; None sends the parameters uncompressed") from None
+    assert spec is not None and spec.keep != "all"  # the fixed names are in CODECS
+    bits = None if spec.bits == 32 else spec.bits
+    return (RandomK if spec.keep == "rand" else TopK)(spec.percent, bits)

@@ -13,8 +13,9 @@ split of a group by node, :mod:`~decent_optim.gossip.nodes`; :math:`m_a` the par
 What :math:`Q` leaves out of :math:`m_a - \hat x_a` is not lost: it is still in the difference
 next round (error feedback), so the copies track the values as closely as an exact exchange
 would. The members of two parts add exactly opposite terms, so a round leaves the group's sum
-unchanged whatever :math:`Q` did (up to the rounding of the additions). :math:`\gamma = 1`
-(:data:`GAMMA`); :math:`Q` is a :mod:`~decent_optim.gossip.codecs` codec.
+unchanged whatever :math:`Q` did (up to the rounding of the additions). :math:`Q` is a
+:mod:`~decent_optim.gossip.codecs` codec and :math:`\gamma` its :attr:`~.Codec.gamma` (1, the
+plain group average, for bf16 and int8; less for codecs that drop most of a difference).
 
 **Non-finite values.** An inf or NaN in what a part sends enters every holder's public copy,
 and every later difference against that copy is non-finite too: exact gossip forgets a bad value
@@ -58,7 +59,7 @@ from decent_optim.gossip.nodes import AcrossNodes, Mix, Parts, post
 
 __all__ = ["GAMMA", "CompressedGroup", "loader", "mix_shard_"]
 
-#: the consensus step size of the mix (1: with an exact codec, the plain group average)
+#: the consensus step of bf16 and int8 (1: with an exact codec, the plain group average)
 GAMMA = 1.0
 #: the keys of a group's saved state (:meth:`CompressedGroup.state`)
 _STATE_KEYS = {"copies", "primed", "flags", "reported", "round", "sent"}
@@ -156,7 +157,9 @@ class CompressedGroup(AcrossNodes):
                 if resend is not None:  # sent before a checkpoint: the own copy has it
                     out.copy_(resend[1][b])
                 else:
-                    codec.encode_(m, held[parts.mine], out, absorb=True)  # the own copy, now
+                    # random codecs: new draws every round, the same ones after a resume
+                    seed = (((step << 20) + b) << 16) + parts.mine
+                    codec.encode_(m, held[parts.mine], out, absorb=True, seed=seed)
                 ins = [
                     link.scratch(("payload", b, k), size, torch.uint8, m.device)
                     for k in range(len(peers))
@@ -303,7 +306,7 @@ def mix_shard_(
     """
     own = copies[mine]
     others = [c for a, c in enumerate(copies) if a != mine]
-    alpha = GAMMA / len(copies)
+    alpha = codec.gamma / len(copies)
     for lo in range(0, x.numel(), SLICE):
         hi = min(lo + SLICE, x.numel())
         if payloads is not None:  # every holder adds the same payload to a copy: they stay equal

@@ -58,6 +58,14 @@ class Link:
         #: what a failed wait for a round says usually causes it, in place of the default
         #: (the schedule of rounds knows best: see Gossiper.hint)
         self.hint: str | None = None
+        #: payload bytes this rank sent in rounds since construction (not the sums of step
+        #: counts); an all-reduce counts what a ring all-reduce sends, :meth:`count_allreduce`
+        self.bytes_sent = 0
+
+    def count_allreduce(self, tensor: Tensor, size: int) -> None:
+        """Count an all-reduce of ``tensor`` over ``size`` ranks as a ring sends it:
+        :math:`2 (k - 1) / k` of the tensor from every rank (the backend may choose otherwise)."""
+        self.bytes_sent += 2 * (size - 1) * tensor.numel() * tensor.element_size() // size
 
     def receive_buffers(self, slot: int, like: Sequence[Tensor]) -> list[Tensor]:
         """Buffers shaped like ``like`` for in-neighbour number ``slot``, allocated once."""

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from decent_optim.gossip import codecs
 from decent_optim.gossip.allreduce import GroupAllReduce
+from decent_optim.gossip.codec_base import Codec
 from decent_optim.gossip.collectives import identical, wait_bounded
 from decent_optim.gossip.compressed import CompressedGroup, loader
 from decent_optim.gossip.exchange import Exchange, Idle, Link
@@ -54,9 +55,9 @@ class Gossiper:
         slot: which of the optimizers sharing ``group`` this gossiper serves (0 for the first);
             its point-to-point messages carry tags of their own (see
             :func:`~decent_optim.gossip.collectives.channel` for the collectives).
-        compression: None (exact), or a codec name of :mod:`decent_optim.gossip.codecs`
-            (``"bf16"``, ``"int8"``) for the groups that cross nodes; needs every round to be a
-            partition into uniform groups.
+        compression: None (exact), a codec of :mod:`decent_optim.gossip.codecs` or its name
+            (``"bf16"``, ``"int8"``, ``"int4"``, ``"top1%+int2"``, ...: :func:`.codecs.get`) for
+            the groups that cross nodes; needs every round to be a partition into uniform groups.
         by_node: whether a group with several ranks on each of several nodes is exchanged part
             by part (:mod:`~decent_optim.gossip.nodes`), which saves slow-link traffic (one copy
             per direction); False: every rank exchanges its own copy.
@@ -75,7 +76,7 @@ class Gossiper:
         transport: str = "auto",
         timeout: datetime.timedelta | None = None,
         slot: int = 0,
-        compression: str | None = None,
+        compression: str | Codec | None = None,
         by_node: bool = True,
         deferred: bool = False,
     ) -> None:
@@ -227,6 +228,11 @@ class Gossiper:
                 f"[rank {self.rank}] gossip round {step}: launching it failed, with peer(s) "
                 f"{peers}; {why}. Cause: {err}"
             ) from err
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank sent in rounds since construction (:attr:`.Link.bytes_sent`)."""
+        return self._link.bytes_sent
 
     @property
     def hint(self) -> str | None:

@@ -20,6 +20,7 @@ class LocalGossiper:
 
     rank = 0
     world_size = 1
+    bytes_sent = 0  # nothing is ever sent
     hint: str | None = None  # as Gossiper.hint (nothing fails here)
 
     def __init__(self, topology: Topology | None = None) -> None:

@@ -252,9 +252,13 @@ class NodeAverage(AcrossNodes):
 
 
 def post(
-    link: Link, receives: list[tuple[Tensor, int, int]], sends: list[tuple[Tensor, int, int]]
+    link: Link,
+    receives: list[tuple[Tensor, int, int]],
+    sends: list[tuple[Tensor, int, int]],
+    count: bool = True,
 ) -> list[tuple[Any, int | None]]:
     """Post ``(buffer, group rank, tag)`` receives, then sends; empty buffers are skipped.
+    ``count``: add the bytes sent to ``link.bytes_sent`` (a round's payloads).
 
     A bucket's tag is ``link.first_tag + bucket`` (the optimizer slot's range, as :class:`Link`
     says), so that optimizers sharing a group never receive each other's messages.
@@ -270,4 +274,7 @@ def post(
                 peers.append(peer)
     if not ops:
         return []
-    return list(zip(dist.batch_isend_irecv(ops), peers))
+    works: list[tuple[Any, int | None]] = list(zip(dist.batch_isend_irecv(ops), peers))
+    if count:
+        link.bytes_sent += sum(buf.numel() * buf.element_size() for buf, _, _ in sends)
+    return works

@@ -64,6 +64,8 @@ class PointToPoint(Exchange):
         works: list[tuple[Any, int | None]] = []
         if ops:
             works = list(zip(dist.batch_isend_irecv(ops), peers))
+            outs = len(self.topology.out_peers(rank, step))
+            link.bytes_sent += outs * sum(b.numel() * b.element_size() for b in buffers)
         own = weights.get(rank, 0.0)
         peer_weights = [weights[j] for j in sources]
         uniform = own > 0 and all(w == own for w in peer_weights)

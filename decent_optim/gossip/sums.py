@@ -30,7 +30,8 @@ def sum_async(
     others = [r for r in range(link.world_size) if r != link.rank]
     received = {r: values.new_empty(values.shape) for r in others}
     own = values.clone()  # sent, and added in its place in the order
-    works = post(link, [(received[r], r, tag) for r in others], [(own, r, tag) for r in others])
+    receives = [(received[r], r, tag) for r in others]
+    works = post(link, receives, [(own, r, tag) for r in others], count=False)
 
     def finish(defer_addend: bool) -> list[PendingMix]:
         values.zero_()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.optim import Optimizer
@@ -38,6 +38,9 @@ from decent_optim.optim.state import FlatState
 from decent_optim.optim.state_dicts import StateDicts
 from decent_optim.rules.base import UpdateRule
 from decent_optim.topologies import Topology
+
+if TYPE_CHECKING:
+    from decent_optim.gossip.codec_base import Codec
 
 __all__ = ["DecentralizedOptimizer"]
 
@@ -100,7 +103,9 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
         compression: None (default) sends exact parameters. ``"bf16"`` or ``"int8"`` (a scale
             per 1024 values) compresses what crosses between nodes, as differences against
             public copies with error feedback (CHOCO-gossip): errors do not accumulate and every
-            round keeps the mean. Needs rounds that average uniform groups (every named
+            round keeps the mean. Sparse and low-bit codecs (``"int4"``, ``"int2"``,
+            ``"rand1%"``, ``"top1%+int2"``, ...) or a codec object: see
+            :func:`decent_optim.gossip.codecs.get`. Needs rounds that average uniform groups (every named
             topology) and memory for the copies; see :doc:`/algorithms` ("Compressed gossip").
         local_steps: gossip every this many steps instead of every step (default 1). The round
             launched at the end of a period of ``local_steps`` steps travels during the whole
@@ -153,7 +158,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        compression: str | None = None,
+        compression: str | Codec | None = None,
         local_steps: int = 1,
         outer: OuterSGD | LocalOuterSGD | str | None = None,
         uneven: bool | schedules.Uneven = False,
@@ -213,6 +218,12 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
     def world_size(self) -> int:
         """Number of workers gossiping (1 without a process group)."""
         return self._rounds.gossip.world_size
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this worker sent in gossip rounds since the optimizer was built (an
+        all-reduce counted as a ring sends it; not restored from checkpoints: it restarts at 0)."""
+        return self._rounds.gossip.bytes_sent
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

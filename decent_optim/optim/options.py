@@ -12,9 +12,12 @@ import datetime
 import inspect
 import types
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from decent_optim.topologies import Topology
+
+if TYPE_CHECKING:
+    from decent_optim.gossip.codec_base import Codec
 
 __all__ = ["Options", "ParamsT", "with_defaults"]
 
@@ -36,7 +39,7 @@ class Options(TypedDict, total=False):
     capturable: bool
     differentiable: bool
     fused: bool | None
-    compression: str | None
+    compression: str | Codec | None
     local_steps: int
     outer: Any
 

@@ -35,7 +35,7 @@ import datetime
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -58,6 +58,9 @@ from decent_optim.gossip import (
 from decent_optim.optim.agreement import Account, agree
 from decent_optim.optim.membership import Membership
 from decent_optim.topologies import Topology
+
+if TYPE_CHECKING:
+    from decent_optim.gossip.codec_base import Codec
 
 __all__ = [
     "Connected",
@@ -165,7 +168,7 @@ def connect(
     local_world_size: int | None,
     timeout: datetime.timedelta | None,
     global_avg_every: int | None,
-    compression: str | None = None,
+    compression: str | Codec | None = None,
     local_steps: str = "1, outer None",
     deferred: bool = False,
 ) -> Connected:
@@ -251,7 +254,7 @@ def describe(
     topo: Topology,
     global_avg_every: int | None,
     bucket_cap_mb: float,
-    compression: str | None = None,
+    compression: str | Codec | None = None,
 ) -> Account:
     """What this rank builds, as the ranks compare it (step 2 of the module docstring)."""
     settings = [

@@ -8,19 +8,21 @@ of :math:`p` nodes, averages by node (:mod:`decent_optim.gossip.nodes`): its mem
 :math:`(L-1)/L` of the buffer inside the node before and after, and each sends its :math:`1/L`
 shard to its counterpart on each of the other :math:`p - 1` nodes, so an uplink carries
 :math:`p - 1` copies of the buffer per direction. With ``compression`` the groups that cross
-nodes send, instead of the float copies, :data:`WIRE_BYTES` per element (bf16: 2 bytes, int8:
-1 byte plus a float32 scale per 1024 elements); other groups are modelled as exact.
+nodes send, instead of the float copies, :func:`wire_bytes` (bf16: 2 bytes per element, int8:
+1 byte plus a float32 scale per 1024 elements, the sparse and low-bit codecs of
+:mod:`~decent_optim.runtime.wire` what their payloads hold); other groups are modelled as exact.
 """
 
 from __future__ import annotations
 
 from decent_optim.runtime.schedule import Schedule
+from decent_optim.runtime.wire import bytes_per_element
 
 __all__ = ["WIRE_BYTES", "allreduce_time", "gossip_round_times", "parse_rate", "wire_bytes"]
 
-#: bytes on the wire per element for each ``compression=`` (those of
-#: :mod:`decent_optim.gossip.codecs`, written out here so that this package needs no torch)
-WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 4.0 / 1024}
+#: bytes on the wire per element of the fixed-name codecs (any name of
+#: :mod:`~decent_optim.runtime.wire`'s grammar works in :func:`wire_bytes`)
+WIRE_BYTES = {name: bytes_per_element(name) for name in ("bf16", "int8", "int4", "int2")}
 
 
 _BITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
@@ -53,11 +55,7 @@ def wire_bytes(nbytes: float, compression: str | None, element_size: int = 4) ->
     """Bytes that cross a link for a copy of ``nbytes`` (elements of ``element_size`` bytes)."""
     if compression is None:
         return nbytes
-    if compression not in WIRE_BYTES:
-        raise ValueError(
-            f"compression must be None or one of {sorted(WIRE_BYTES)}, got {compression!r}"
-        )
-    return nbytes / element_size * WIRE_BYTES[compression]
+    return nbytes / element_size * bytes_per_element(compression)
 
 
 def _node_parts(group: tuple[int, ...], local: int) -> list[tuple[int, ...]]:
