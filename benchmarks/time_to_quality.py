@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -75,6 +76,7 @@ import _text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
+STREAMING = ("sdiloco", "torchft-diloco", "torchft-sdiloco")  # _peers.py
 DEFAULT_METHODS = [
     "ddp",
     "decentdp:alternating-exp-ring",
@@ -104,13 +106,23 @@ def parse_method(method: str) -> dict:
         "x": None,
         "olr": None,
         "om": None,
+        "F": 1,
+        "tau": 0,
+        "alpha": 0.0,
+        "bits": None,
     }
     parts = spec.split(":") if spec else []
     if kind in ("decent", "decentdp") and parts:
         out["topology"], _, comp = parts.pop(0).partition("+")
         out["compression"] = comp or None
+    streaming = kind in STREAMING
     for p in parts:
-        if p.startswith("H"):
+        if streaming and (p[:1] == "F" or p.startswith(("tau", "alpha"))):
+            key = "F" if p[:1] == "F" else p.rstrip("0123456789.")
+            out[key] = (float if key == "alpha" else int)(p[len(key) :])
+        elif streaming and p in ("q4", "q8"):
+            out["bits"] = int(p[1:])
+        elif p.startswith("H"):
             out["H"] = int(p[1:])
         elif p == "outer":
             out["outer"] = True
@@ -124,19 +136,21 @@ def parse_method(method: str) -> dict:
             out["cap"] = float(p[3:])
         elif p.startswith("slow") and kind == "decent":
             out["slow"] = int(p[4:])
-        elif p.startswith("x") and kind in ("decent", "diloco"):
+        elif p.startswith("x") and kind in ("decent", "diloco", *STREAMING):
             out["x"] = float(p[1:])
-        elif p.startswith("olr") and kind in ("decent", "diloco"):
+        elif p.startswith("olr") and kind in ("decent", "diloco", *STREAMING):
             out["olr"] = float(p[3:])
-        elif p.startswith("om") and kind in ("decent", "diloco"):
+        elif p.startswith("om") and kind in ("decent", "diloco", *STREAMING):
             out["om"] = float(p[2:])
         else:
             raise SystemExit(f"bad method {method!r}: unknown part {p!r}")
-    if kind not in ("ddp", "decent", "decentdp", "diloco"):
+    if kind not in ("ddp", "decent", "decentdp", "diloco", *STREAMING):
         raise SystemExit(f"unknown method {method!r}")
     if (out["fixed"] or out["cap"] is not None) and not out["uneven"]:
         raise SystemExit(f"bad method {method!r}: fixed/cap<c> need :uneven")
-    if (out["olr"] is not None or out["om"] is not None) and not (kind == "diloco" or out["slow"]):
+    if (out["olr"] is not None or out["om"] is not None) and not (
+        kind == "diloco" or streaming or out["slow"]
+    ):
         raise SystemExit(f"bad method {method!r}: olr/om need diloco or :slow<every>")
     return out
 
@@ -226,6 +240,13 @@ def worker(args) -> None:
         if m["om"] is not None:
             outer["momentum"] = m["om"]
         opt = DiLoCo(params, torch.optim.AdamW(groups, lr=peak, betas=betas), m["H"], **outer)
+    elif m["kind"] in STREAMING:
+        import _peers
+
+        peak = args.lr if m["x"] is None else args.lr * m["x"]
+        rates = {k: m[o] for k, o in (("lr", "olr"), ("momentum", "om")) if m[o] is not None}
+        inner = torch.optim.AdamW(groups, lr=peak, betas=betas)
+        opt = _peers.build(m, model, inner, rates)
     else:  # decentdp
         from functools import partial
 
@@ -258,7 +279,7 @@ def worker(args) -> None:
         if m["kind"] == "decent":
             with opt.averaged(model):
                 return evaluate()
-        if m["kind"] == "diloco":  # mid-period: the workers' mean
+        if m["kind"] == "diloco" or m["kind"] in STREAMING:  # mid-period: the workers' mean
             with opt.averaged():
                 return evaluate()
         dl.global_avg(will_revert=True)
@@ -355,6 +376,8 @@ def worker(args) -> None:
             break
     if uneven:
         rows, reached = _replay(snapshots, params, consensus_loss, target, args.eval_every)
+    if hasattr(opt, "close"):  # streaming peers: exchanges in flight, torchft's servers
+        opt.close()
     if rank == 0:
         out = {
             "method": args.method,
@@ -431,6 +454,15 @@ def launch(args, rest: list[str]) -> None:
     notes, rows = [], []
     ddp_part = parts / "0.json"
     for i, method in enumerate(methods):
+        if method.startswith("torchft"):
+            import _peers
+
+            why = _peers.torchft_missing()
+            if why:
+                notes.append(f"{method}: skipped, {why}")
+                continue
+            if ":q" in method and importlib.util.find_spec("triton") is None:
+                notes.append(f"{method}: torchft quantizes only with triton; here it sent fp32")
         if method.startswith("decentdp"):
             probe = subprocess.run([sys.executable, "-c", "import decent_dp"], capture_output=True)
             if probe.returncode:
@@ -454,7 +486,8 @@ def launch(args, rest: list[str]) -> None:
             print(f"[{i + 1}/{len(methods)}] {method} ...", flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            print(f"  {method} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+            err = "\n".join(x for x in proc.stderr.splitlines() if "[INFO] [torchft" not in x)
+            print(f"  {method} failed (exit {proc.returncode}):\n{err[-3000:]}", flush=True)
             notes.append(f"{method}: failed (exit {proc.returncode})")
             if i == 0:
                 raise SystemExit("ddp failed: no target")
