@@ -504,6 +504,10 @@ def write_results(args, nnodes: int, rows: list[dict], notes: list[str]) -> None
     out = Path(args.out)
     ddp = rows[0]
     load = os.getloadavg()
+    regime = ""
+    if args.regime:
+        rate = _devices.regime_rate(_parameters(args), args.device_ms, args.regime)
+        regime = f"; regime R = {args.regime:g} (link {rate} per node)"
     with open(out / f"ttq_{args.tag}.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["tag", "method", "step", "train_s", "val_loss"])
@@ -522,7 +526,7 @@ def write_results(args, nnodes: int, rows: list[dict], notes: list[str]) -> None
         f"`{args.tag}`: {nnodes} node(s) x {args.nproc} ranks, gloo, {args.workload} workload, global batch "
         f"{args.global_batch}, DDP schedule {args.steps} steps (warm-up {args.warmup}), eval every "
         f"{args.eval_every} steps (excluded), target = DDP's final held-out loss "
-        f"{ddp['final_loss']:.4f}; {_devices.describe(args)}; load average at the end "
+        f"{ddp['final_loss']:.4f}; {_devices.describe(args)}{regime}; load average at the end "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
         "",
         "| method | time to target s | vs DDP | steps | ms / step | final loss | vs DDP loss |",
@@ -581,6 +585,12 @@ def plot(args) -> None:
     fig.savefig(Path(args.out) / f"ttq_{'_'.join(tags)}.png", dpi=110)
 
 
+def _parameters(args) -> int:
+    """The workload's model size (it builds the model: examples/ and the package on the path)."""
+    sys.path.insert(0, str(ROOT))
+    return sum(p.numel() for p in _text.load(args.workload, 1).make_model().parameters())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
@@ -588,6 +598,11 @@ def main() -> None:
     p.add_argument("--tag", default="local")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--plot", nargs="+", default=None, help="only plot these tags' results")
+    p.add_argument("--regime", type=float, default=0.0,
+                   help="R: seconds for one fp32 copy of the model to cross a node's uplink "
+                   "over --device-ms (recorded in the table; the link is set by the caller)")  # fmt: skip
+    p.add_argument("--print-rate", action="store_true",
+                   help="print the link rate (tc syntax) that gives --regime R and exit")  # fmt: skip
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", default=None, help=argparse.SUPPRESS)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
@@ -615,6 +630,9 @@ def main() -> None:
     args = p.parse_args()
     if args.plot:
         plot(args)
+        return
+    if args.print_rate:
+        print(_devices.regime_rate(_parameters(args), args.device_ms, args.regime))
         return
     if args.worker:
         worker(args)

@@ -72,4 +72,16 @@ def test_every_method_of_ours_and_the_peers_leaves_a_finite_curve(tmp_path: Path
 @pytest.mark.multiprocess
 def test_the_shakespeare_workload_trains(tmp_path: Path) -> None:
     methods = ["ddp", "sdiloco:H2:F2:tau1:alpha0.5:q8"]
-    _check_curves(_harness(tmp_path, methods, "--workload", "shakespeare"), methods)
+    extra = ["--workload", "shakespeare", "--device-ms", "5", "--regime", "3"]
+    _check_curves(_harness(tmp_path, methods, *extra), methods)
+    # 1.84M parameters: 58.7 Mbit per fp32 copy over 3 steps of 5 ms
+    assert "regime R = 3 (link 3915949kbit per node)" in (tmp_path / "ttq_smoke.md").read_text()
+
+
+def test_the_regime_sets_the_link_from_the_model_size_and_the_step() -> None:
+    from benchmarks._devices import regime_rate
+
+    assert regime_rate(1_000_000, 100.0, 3.0) == "106667kbit"  # 32 Mbit in 0.3 s
+    assert regime_rate(1_000_000, 100.0, 30.0) == "10667kbit"
+    with pytest.raises(SystemExit, match="--device-ms"):
+        regime_rate(1_000_000, 0.0, 3.0)
