@@ -35,6 +35,11 @@ Methods (``--methods``):
   and Nesterov momentum 0.9 on the averaged pseudo-gradient (Douillard et al. 2023);
   ``diloco:H<h>:avg``: plain averaging instead (outer lr 1, no momentum: local AdamW with an
   all-reduce average every ``h`` steps) at ``--lr`` x ``--decent-lr-factor``.
+* ``sdiloco:H<h>:F<f>:tau<t>[:alpha<a>][:q4|:q8]``: Streaming DiLoCo as the paper describes it
+  (``_streaming_diloco.py``: strided fragments, exchange overlapped with ``t`` inner steps, the
+  ``a`` merge, 4/8-bit exchange); ``torchft-diloco:H<h>`` and ``torchft-sdiloco:...``: torchft
+  0.2.0's DiLoCo as shipped, one replica per rank (``_peers.py``; skipped with a note when
+  torchft is missing); inner AdamW at ``--lr``, outer lr 0.7 and Nesterov momentum 0.9;
 * tuning suffixes: ``:x<f>`` sets a ``decent`` or ``diloco`` method's peak rate to ``--lr`` x
   f; ``:olr<lr>:om<momentum>`` set DiLoCo's outer rates (or those of ``:slow<every>``, which
   gives ``decent`` ``outer=LocalOuterSGD(every=every)``: an outer Nesterov step on each rank's
@@ -51,7 +56,9 @@ coefficient of variation, the same draws for every method. So the ranks' speeds 
 how the machine's cores are shared, and every wait for another rank stays inside the clock.
 
 The script is a launcher (as ``train_iteration.py``): under ``emulate-cluster`` it runs one
-``torchrun`` per method on each node; see ``time_to_quality.sh``. Results:
+``torchrun`` per method on each node; see ``time_to_quality.sh`` (on one machine without it:
+``torchrun --standalone``, as ``tests/test_bench_smoke.py`` runs it). ``--regime R`` records the
+regime the caller set the link for (``--print-rate`` gives that link; ``_devices.regime_rate``). Results:
 ``benchmarks/results/ttq_<tag>.{csv,md,json}`` and, with ``--plot``, ``ttq_<tags>.png``.
 """
 
