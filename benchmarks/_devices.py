@@ -45,6 +45,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="coefficient of variation of each step's device time (log-normal)")  # fmt: skip
 
 
+def regime_rate(params: int, device_ms: float, regime: float) -> str:
+    """The per-node link rate, in tc syntax, at which one fp32 copy of ``params`` values takes
+    ``regime`` device steps of ``device_ms`` to cross: ``8 * 4 * params / (R * device_s)``
+    bit/s (issue 40's R: 0.3 a data-centre fabric, 3 a 124M-1B model over 10 Gbit/s, 30 a 1B
+    model over 1 Gbit/s, 300 a 10B model over 1 Gbit/s)."""
+    if regime <= 0 or device_ms <= 0:
+        raise SystemExit(
+            "a regime needs --regime R > 0 and --device-ms > 0 (the step it counts in)"
+        )
+    return f"{max(1, round(32 * params / (regime * device_ms / 1e3) / 1e3))}kbit"
+
+
 def speeds_of(spec: str | None, world_size: int) -> list[float]:
     if not spec or spec == "None":
         return [1.0] * world_size

