@@ -41,6 +41,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tag", default="-16w", help="comma-separated; write --tag=-16w")
     p.add_argument("--tolerance", type=float, default=0.01)
+    p.add_argument("--losses", default="", help="comma-separated: also the time to each loss")
     p.add_argument("--shape", default="8x2")
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--seed", default="0")
@@ -83,6 +84,29 @@ def main() -> None:
                 f"| {method} | {hardware} | {own:.4f} | {ratios[0]} | {ratios[1]} | {tcs} "
                 f"| {pace} | {final:.4f} | {loads} |"
             )
+    if args.losses:
+        _at_losses(runs, [float(x) for x in args.losses.split(",")])
+
+
+def _at_losses(runs: dict, losses: list[float]) -> None:
+    """Time to each loss on uneven devices over the same method's on even devices (a method
+    with no even run of its own, ``...:fixed``, is compared with its even run without it: the
+    periods differ only when the speeds do)."""
+    even, _ = runs["even"]
+    print("\n| method | hardware | " + " | ".join(f"to {x:g}" for x in losses) + " | final |")
+    print("|---|---|" + "---:|" * (len(losses) + 1))
+    for hardware, (rows, _) in runs.items():
+        if hardware == "even":
+            continue
+        for method, row in rows.items():
+            base = even.get(method) or even.get(method.removesuffix(":fixed"))
+            if base is None:
+                continue
+            cells = []
+            for loss in losses:
+                t, t0 = _time_to(row["curve"], loss), _time_to(base["curve"], loss)
+                cells.append("-" if t is None or t0 is None else f"{t / t0:.2f}x")
+            print(f"| {method} | {hardware} | " + " | ".join(cells) + f" | {row['final_loss']:.4f} |")
 
 
 if __name__ == "__main__":
