@@ -19,17 +19,18 @@ import pytest
 import torch
 from _harness import run_world_fresh
 
-TIMEOUT = 5.0  # seconds: the engine's bound on each wait (a rebuild cut by a death: ~2x)
+TIMEOUT = 3.0  # seconds: the engine's bound on each wait (a rebuild cut by a death: ~2x)
+HUNG_TIMEOUT = 2.0  # the same where a rank hangs for 3x it: its test takes that long
 PATIENT = 30.0  # seconds: the ring's waits (a failure is noticed by an error or the store)
 
 
-def _membership(path, **kw):
+def _membership(path, timeout=TIMEOUT):
     import torch.distributed as dist
 
     from decent_optim.gossip.membership import Membership
 
     store = dist.FileStore(os.path.join(path, "store"), -1)
-    return Membership(store, prefix="live", timeout=TIMEOUT, **kw)
+    return Membership(store, prefix="live", timeout=timeout)
 
 
 def _exchange(live, value, wait_s=PATIENT):
@@ -145,9 +146,7 @@ def _check_survivors(results, victim):
 
 @pytest.mark.multiprocess
 def test_survivors_of_a_kill_rebuild_and_communicate(tmp_path):
-    results = run_world_fresh(
-        _kill_one, 4, str(tmp_path), 2, None, timeout=60, killed=(2,)
-    )
+    results = run_world_fresh(_kill_one, 4, str(tmp_path), 2, None, timeout=60, killed=(2,))
     _check_survivors(results, victim=2)
 
 
@@ -155,9 +154,7 @@ def test_survivors_of_a_kill_rebuild_and_communicate(tmp_path):
 def test_survivors_that_notice_at_different_times_agree(tmp_path):
     # rank 0 computes for a while before the step in which 2 dies: 3 notices at once and
     # starts the change; rank 0 notices nothing itself, later, and learns it from the store
-    results = run_world_fresh(
-        _kill_one, 4, str(tmp_path), 2, (0, 1.0), timeout=60, killed=(2,)
-    )
+    results = run_world_fresh(_kill_one, 4, str(tmp_path), 2, (0, 1.0), timeout=60, killed=(2,))
     _check_survivors(results, victim=2)
     assert results[3]["suspects"] == [2], results[3]
     assert results[0]["suspects"] == [], results[0]
@@ -194,10 +191,10 @@ def test_a_death_during_the_rebuild_is_agreed_again(tmp_path):
 def _hung(rank, world_size, path):
     from decent_optim.gossip.membership import MembershipError
 
-    live = _membership(path)
+    live = _membership(path, HUNG_TIMEOUT)
     # rank 2 is killed while rank 0 hangs for three timeouts; nobody suspects rank 0, but it
     # stays silent for more than twice the timeout: 1 and 3 go on without it, it learns later
-    suspects = _until_failure(live, victim=2, kill_at=3, idle=(0, 3 * TIMEOUT))
+    suspects = _until_failure(live, victim=2, kill_at=3, idle=(0, 3 * HUNG_TIMEOUT))
     try:
         view = live.rebuild(suspects)
     except MembershipError as err:

@@ -44,7 +44,15 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 WORLD, VICTIM = 4, 2
 TIMEOUT = datetime.timedelta(seconds=10)
-APPROACHES = ("reinit", "reinit_abort", "new_group_local", "new_group", "new_group_barrier", "shrink", "engine")
+APPROACHES = (
+    "reinit",
+    "reinit_abort",
+    "new_group_local",
+    "new_group",
+    "new_group_barrier",
+    "shrink",
+    "engine",
+)
 
 
 def _check(dist, torch, group, ranks, me):
@@ -78,6 +86,10 @@ def worker(rank, port, approach, tag, queue):
         timeout=TIMEOUT,
     )
     signal_key = f"{tag}/noticed"
+    if approach == "engine":  # built at start, as a training script would (no import later)
+        from decent_optim.gossip.membership import Membership
+
+        live = Membership(store, prefix=f"{tag}/live", timeout=TIMEOUT.total_seconds())
     queue.put(("ready", rank, os.getpid()))
     t = torch.ones(1 << 10)
     noticed, detected = [], None
@@ -126,9 +138,6 @@ def worker(rank, port, approach, tag, queue):
             group = dist.shrink_group([VICTIM])
             _check(dist, torch, group, survivors, survivors.index(rank))
         elif approach == "engine":
-            from decent_optim.gossip.membership import Membership
-
-            live = Membership(store, prefix=f"{tag}/live", timeout=TIMEOUT.total_seconds())
             view = live.rebuild(suspects=noticed)
             _check(dist, torch, None, view.members, view.rank)
         else:
