@@ -324,10 +324,13 @@ class _Pool:
             self.close(graceful=False)
             raise
 
-    def run(self, fn: Callable, task: bytes, timeout: float) -> tuple[list[Any], bool]:
+    def run(
+        self, fn: Callable, task: bytes, timeout: float, killed: frozenset[int] = frozenset()
+    ) -> tuple[list[Any], bool]:
         """Run ``task`` (``fn`` and its args, pickled) on every rank.
 
-        Returns ``(results by rank, whether the pool can take more tasks)``.
+        Returns ``(results by rank, whether the pool can take more tasks)``; a rank of ``killed``
+        that died of SIGKILL gives None.
         """
         message = pickle.dumps((list(sys.path), task))
         deadline = time.monotonic() + timeout
@@ -336,7 +339,7 @@ class _Pool:
                 conn.send_bytes(message)
             except OSError:  # the worker is gone; _collect reports how it died
                 pass
-        replies, missing = self._collect(deadline)
+        replies, missing = self._collect(deadline, killed)
         label = f"run_world({getattr(fn, '__qualname__', repr(fn))}, world_size={self.world_size})"
         self._raise_on_failure(label, replies, missing, timeout)
         for rank in range(self.world_size):
@@ -348,11 +351,14 @@ class _Pool:
             all(replies[rank][3] for rank in range(self.world_size)),
         )
 
-    def _collect(self, deadline: float) -> tuple[dict[int, tuple], list[int]]:
+    def _collect(
+        self, deadline: float, killed: frozenset[int] = frozenset()
+    ) -> tuple[dict[int, tuple], list[int]]:
         """Wait for one reply per rank until ``deadline``; returns ``(replies, ranks that never answered)``.
 
         Never blocks past the deadline, and a worker that died counts as answered (kind ``"died"``).
         After the first failure the others get ``ERROR_GRACE_S`` more, not the whole deadline.
+        A rank of ``killed`` that died of SIGKILL answered None (the fault a test injected).
         """
         pending, replies = set(range(self.world_size)), {}
         grace_end = None
@@ -371,6 +377,8 @@ class _Pool:
                 reply = self._read(rank)
                 if reply is None:
                     continue
+                if reply[0] == "died" and rank in killed and reply[1] == -signal.SIGKILL:
+                    reply = ("ok", pickle.dumps(None), "", False)
                 replies[rank] = reply
                 pending.discard(rank)
                 if reply[0] not in ("ok", "ready") and grace_end is None:
@@ -534,16 +542,24 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0)
     return results
 
 
-def run_world_fresh(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_world_fresh(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    killed: tuple[int, ...] = (),
+) -> list[Any]:
     """As :func:`run_world`, but in ``world_size`` new processes that are killed afterwards.
 
     For tasks that kill a rank, leave the process group unusable, or need a process nothing ran in before.
+    ``killed``: ranks that may die of SIGKILL (a fault the task injects): such a death is no failure,
+    does not cut the others' time short, and gives None as that rank's result.
     """
     _check(fn, world_size, timeout)
     task = _pickle_task(fn, args)
     pool = _Pool(world_size)
     try:
-        return pool.run(fn, task, timeout)[0]
+        return pool.run(fn, task, timeout, frozenset(killed))[0]
     finally:
         pool.close(graceful=False)
 

@@ -1,0 +1,238 @@
+"""Live membership: the survivors of a lost rank agree on who is left and rebuild their group.
+
+A torch.distributed process group is fixed at creation. When a member dies, each survivor calls
+:meth:`Membership.rebuild` with the ranks it believes dead (the peers of a failed wait); the
+survivors agree on one member list through a store that outlives every worker (torchrun's agent
+store, or a ``TCPStore`` on a host that does not train), then destroy their process groups and
+initialise a new default group among themselves, on a ``PrefixStore`` of the new generation so
+that no key of an older group is read again. Measured against ``new_group`` and ``shrink_group``
+in ``experiments/live_membership/rebuild.py`` (docs/surviving_failures, "Live membership").
+
+Agreement, generation ``g`` (keys ``{prefix}/g{g}/...``). A member is known by its *id*, its rank
+in the first group; ``members`` lists the ids of generation ``g`` by rank. Each survivor
+
+1. posts ``alive/{id}`` with the ids it suspects and bumps ``change``, *then* destroys its
+   process groups. A peer still waiting on it learns of the change from the store, in
+   :meth:`Membership.wait`; closing the sockets is no signal to rely on: gloo closes them only
+   once no ``Work`` of the group is referenced any more, not at ``destroy_process_group``,
+   ``abort()`` or ``shutdown()`` (measured with torch 2.13);
+2. waits until every member has posted, or every member that has not is suspected by one that
+   has, or twice the timeout has passed since it posted (a live member's own waits end within
+   the timeout, and then it posts: silent after that, it is hung);
+3. proposes ``sorted(posted)`` with ``compare_set`` on ``decision``: the first proposal wins and
+   every survivor reads that one, whatever it noticed itself. A member left out (it came too
+   late) gets :class:`MembershipError`.
+
+The new rank of id ``i`` is its index in the decision. A rebuild that fails (a member died after
+posting, so the new group cannot connect within the timeout) is agreed again in the next
+generation, where only posting counts: the members silent for the timeout are left out.
+Every wait is bounded by a multiple of ``timeout``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import threading
+import time
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+from decent_optim.gossip.failures import GossipError
+
+__all__ = ["Membership", "MembershipChanged", "MembershipError", "View"]
+
+
+class MembershipError(GossipError):
+    """This rank is not in the survivors' new group (declared dead), or they could not rebuild."""
+
+
+class MembershipChanged(GossipError):
+    """Another member started a change of membership: call :meth:`Membership.rebuild`."""
+
+
+class View(NamedTuple):
+    """The group after a change: ``members[r]`` is the id (first rank) of the new rank ``r``."""
+
+    generation: int
+    members: tuple[int, ...]
+    rank: int
+    lost: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+
+def _ids(text: str) -> set[int]:
+    return {int(x) for x in text.split(",") if x}
+
+
+def _text(ids: Iterable[int]) -> str:
+    return ",".join(str(i) for i in sorted(ids))
+
+
+class Membership:
+    """The members of the default process group, and their agreement when some are lost.
+
+    Built on every rank right after ``init_process_group`` (no communication). ``store`` must
+    outlive any worker and be the same for every rank; ``prefix`` must be new to it (one per
+    job). ``timeout`` (seconds) bounds each wait of an agreement and the new group's: set it
+    to the optimizer's; it becomes the store's timeout too.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        prefix: str = "decent_optim/live",
+        timeout: float = 60.0,
+        poll: float = 0.005,
+    ):
+        if not isinstance(store, dist.Store):
+            raise TypeError(
+                "Membership needs a torch.distributed Store that outlives every worker: "
+                "torchrun's agent store, or a dist.TCPStore hosted by a process that does not "
+                f"train; got {store!r}"
+            )
+        if not dist.is_initialized():
+            raise RuntimeError("build Membership after dist.init_process_group, on every rank")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.store, self.prefix, self.timeout, self.poll = store, prefix, float(timeout), poll
+        # the new group's rendezvous waits on the store with the store's own timeout
+        store.set_timeout(datetime.timedelta(seconds=self.timeout))
+        self.backend = dist.get_backend()
+        world = dist.get_world_size()
+        self.me = dist.get_rank()
+        self.view = View(0, tuple(range(world)), self.me, ())
+
+    def _key(self, generation: int, name: str) -> str:
+        return f"{self.prefix}/g{generation}/{name}"
+
+    def pending(self) -> bool:
+        """Whether a member has started to agree on a change of the current generation."""
+        return self.store.check([self._key(self.view.generation, "change")])
+
+    def wait(self, works: Iterable[dist.Work], timeout: float | None = None) -> None:
+        """``work.wait()`` for each of ``works``, ended early by a change another member started.
+
+        gloo's point-to-point ``Work.is_completed()`` stays False and a timed-out wait closes
+        the connection, so the works are waited for in a helper thread while this one watches
+        the store.
+
+        Raises:
+            MembershipChanged: a member has started to agree on a change (rebuild, then redo).
+            RuntimeError: the transport's error of a failed or timed-out work (its peer is a
+                suspect).
+        """
+        todo, outcome, done = list(works), [], threading.Event()
+        limit = None if timeout is None else datetime.timedelta(seconds=timeout)
+
+        def run() -> None:
+            try:
+                for work in todo:
+                    work.wait() if limit is None else work.wait(limit)
+            except BaseException as exc:  # handed to the caller below
+                outcome.append(exc)
+            done.set()
+
+        threading.Thread(target=run, name="decent_optim-membership-wait", daemon=True).start()
+        pause = 1e-4
+        while not done.wait(pause):
+            if self.pending():
+                raise MembershipChanged(
+                    f"[id {self.me}] another member started a change of membership "
+                    f"(generation {self.view.generation}): call rebuild()"
+                )
+            pause = min(2 * pause, self.poll)  # a quick exchange is not slowed down
+        if outcome:
+            raise outcome[0]
+
+    def rebuild(self, suspects: Iterable[int] = ()) -> View:
+        """Agree with the other survivors on the members left, and rebuild the default group.
+
+        ``suspects``: ranks of the current group this rank believes dead (may be empty, and may
+        differ between survivors). Returns the new :class:`View`; the old default group and
+        every group made from it are destroyed (rebuild such groups from the new one).
+
+        Raises:
+            MembershipError: this rank was left out, or no group could be rebuilt in time.
+        """
+        view, attempts = self.view, 0
+        ranks = list(suspects)
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < view.world_size)]
+        if bad:
+            raise ValueError(
+                f"suspects must be ranks of the current group (0..{view.world_size - 1}), got {bad}"
+            )
+        suspected = {view.members[r] for r in ranks} - {self.me}
+        first = True
+        while True:
+            members = self._agree(view, suspected, quick=first)
+            lost = tuple(sorted(set(self.view.members) - set(members)))
+            view = View(view.generation + 1, members, members.index(self.me), lost)
+            error = self._connect(view)
+            if error is None:
+                self.view = view
+                return view
+            attempts += 1
+            if attempts > view.world_size:
+                raise MembershipError(
+                    f"[id {self.me}] could not rebuild the process group among {list(members)} "
+                    f"(generation {view.generation}): {error}"
+                )
+            # a member died during the rebuild: agree again, where only posting counts
+            suspected, first = set(), False
+
+    def _agree(self, view: View, suspected: set[int], *, quick: bool) -> tuple[int, ...]:
+        store, g = self.store, view.generation
+        store.set(self._key(g, f"alive/{self.me}"), _text(suspected))
+        store.add(self._key(g, "change"), 1)
+        if dist.is_initialized():
+            gc.collect()  # Works kept by reference cycles (tracebacks) would keep sockets open
+            dist.destroy_process_group()
+        decision_key = self._key(g, "decision")
+        deadline = time.monotonic() + self.timeout * (2 if quick else 1)
+        while True:
+            if store.check([decision_key]):
+                decided = _ids(store.get(decision_key).decode())
+                break
+            posted: dict[int, set[int]] = {}
+            for i in view.members:
+                key = self._key(g, f"alive/{i}")
+                if store.check([key]):
+                    posted[i] = _ids(store.get(key).decode())
+            silent = set(view.members) - set(posted)
+            blamed = set().union(*posted.values())
+            if not silent or (quick and silent <= blamed) or time.monotonic() >= deadline:
+                proposal = _text(posted)
+                won = store.compare_set(decision_key, "", proposal)
+                decided = _ids(won.decode() if isinstance(won, bytes) else won)
+                break
+            time.sleep(self.poll)
+        if self.me not in decided:
+            raise MembershipError(
+                f"[id {self.me}] the other members rebuilt their group without this rank "
+                f"(generation {g + 1}: ids {sorted(decided)}); it reached the agreement after "
+                "they had declared it dead (it was silent, or slower than the timeout). Leave "
+                "the job, or join it again as a new member"
+            )
+        return tuple(sorted(decided))
+
+    def _connect(self, view: View) -> Exception | None:
+        try:
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(self._key(view.generation, "pg"), self.store),
+                rank=view.rank,
+                world_size=view.world_size,
+                timeout=datetime.timedelta(seconds=self.timeout),
+            )
+        except RuntimeError as exc:  # the store's and gloo's errors alike
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            return exc
+        return None
