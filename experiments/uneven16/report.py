@@ -106,7 +106,9 @@ def _at_losses(runs: dict, losses: list[float]) -> None:
             for loss in losses:
                 t, t0 = _time_to(row["curve"], loss), _time_to(base["curve"], loss)
                 cells.append("-" if t is None or t0 is None else f"{t / t0:.2f}x")
-            print(f"| {method} | {hardware} | " + " | ".join(cells) + f" | {row['final_loss']:.4f} |")
+            print(
+                f"| {method} | {hardware} | " + " | ".join(cells) + f" | {row['final_loss']:.4f} |"
+            )
 
 
 if __name__ == "__main__":
