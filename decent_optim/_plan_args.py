@@ -98,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         type=_compression_name,
         help="also measure the topologies' rounds compressed this way (several nodes only): "
-        + wire.names_help(),
+        + wire.names_help().replace("%", "%%"),  # argparse formats help with %
     )
     p.add_argument(
         "--r",
