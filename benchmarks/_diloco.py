@@ -23,12 +23,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
+
+
+@contextmanager
+@torch.no_grad()
+def averaged_parameters(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Within the block ``params`` are the workers' mean (an all-reduce each); restored on exit."""
+    backup = [p.detach().clone() for p in params]
+    for p in params:
+        dist.all_reduce(p)
+        p.div_(dist.get_world_size())
+    try:
+        yield
+    finally:
+        for p, saved in zip(params, backup):
+            p.copy_(saved)
 
 
 class DiLoCo:
@@ -96,20 +111,10 @@ class DiLoCo:
             p.copy_(self.theta[start : start + p.numel()].view_as(p))
             start += p.numel()
 
-    @contextmanager
-    @torch.no_grad()
-    def averaged(self) -> Iterator[None]:
+    def averaged(self) -> AbstractContextManager[None]:
         """Within the block the parameters are the workers' mean (mid-period, the workers
         differ); restored on exit. Parameters only: buffers (BatchNorm) are left as they are."""
-        backup = [p.detach().clone() for p in self.params]
-        for p in self.params:
-            dist.all_reduce(p)
-            p.div_(dist.get_world_size())
-        try:
-            yield
-        finally:
-            for p, saved in zip(self.params, backup):
-                p.copy_(saved)
+        return averaged_parameters(self.params)
 
     @torch.no_grad()
     def consensus_distance(self) -> float:

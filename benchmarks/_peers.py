@@ -17,12 +17,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _diloco import averaged_parameters
 from _streaming_diloco import StreamingDiLoCo
 
 TORCHFT = "pip install torchft==0.2.0"
@@ -110,19 +110,8 @@ class TorchftDiLoCo:
     def step(self) -> None:
         self.inner.step()  # torchft's hooks on it do the rest
 
-    @contextmanager
-    @torch.no_grad()
     def averaged(self):
-        params = list(self.model.parameters())
-        backup = [p.detach().clone() for p in params]
-        for p in params:
-            dist.all_reduce(p)
-            p.div_(dist.get_world_size())
-        try:
-            yield
-        finally:
-            for p, saved in zip(params, backup):
-                p.copy_(saved)
+        return averaged_parameters(list(self.model.parameters()))
 
     def close(self) -> None:
         self.diloco.__exit__(None, None, None)

@@ -35,13 +35,14 @@ them. Every rank must call ``step``, ``averaged`` and ``close`` at the same poin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _diloco import averaged_parameters
 from torch.nn.utils import parameters_to_vector
 
 CHUNK = 64  # values per quantisation scale
@@ -200,16 +201,6 @@ class StreamingDiLoCo:
         self.pending.clear()
         self._pool.shutdown(wait=True)
 
-    @contextmanager
-    @torch.no_grad()
-    def averaged(self) -> Iterator[None]:
+    def averaged(self) -> AbstractContextManager[None]:
         """Within the block the parameters are the workers' mean; restored on exit."""
-        backup = [p.detach().clone() for p in self.params]
-        for p in self.params:
-            dist.all_reduce(p)
-            p.div_(dist.get_world_size())
-        try:
-            yield
-        finally:
-            for p, saved in zip(self.params, backup):
-                p.copy_(saved)
+        return averaged_parameters(self.params)

@@ -10,12 +10,23 @@ exchange must give every rank the same mean, within the quantisation's error bou
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from _harness import run_world
 
-from benchmarks._diloco import DiLoCo
-from benchmarks._streaming_diloco import CHUNK, StreamingDiLoCo, dequantize, pack, quantize, unpack
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _diloco import DiLoCo  # noqa: E402  (the benchmarks import each other by these names)
+from _streaming_diloco import (  # noqa: E402
+    CHUNK,
+    StreamingDiLoCo,
+    dequantize,
+    pack,
+    quantize,
+    unpack,
+)
 
 INNER_LR, INNER_MOMENTUM, OUTER_LR, OUTER_MOMENTUM = 0.1, 0.5, 0.7, 0.9
 LAYERS = 5  # layers of 2 values each
