@@ -166,8 +166,8 @@ def _uneven_setting(dopt, m: dict):
     """``uneven=`` for a ``decent`` method: False, or an ``Uneven`` with its suffixes."""
     if not m["uneven"]:
         return False
-    cap = 8 if m["cap"] is None else m["cap"]
-    return dopt.Uneven(cap=cap, adaptive=not m["fixed"])
+    cap = {} if m["cap"] is None else {"cap": m["cap"]}  # else Uneven's default
+    return dopt.Uneven(adaptive=not m["fixed"], **cap)
 
 
 # -- one method on this rank ------------------------------------------------------------------------

@@ -180,6 +180,12 @@ def mixing_step(period: int | list[int], j: int) -> int:
     return period[j] if isinstance(period, list) else H - 1 + j * period
 
 
+def period_rule(local_steps: int, own: int, mean: float) -> int:
+    """The period of a rank that took ``own`` steps where the ranks took ``mean`` (the rule of
+    decent_optim.optim.uneven_periods, written again here from its docstring)."""
+    return min(local_steps, max(1, int(local_steps * own / mean + 0.5)))
+
+
 def adaptive_plan(until: int) -> tuple[list[int], list[int]]:
     """The mixing steps of rounds 0..until of a fast rank 0 taking twice the steps of the slow
     rank 1, whose periods follow the rule: after mixing round j >= 2, a rank that took c_i steps
@@ -194,7 +200,7 @@ def adaptive_plan(until: int) -> tuple[list[int], list[int]]:
             launch[r].append(mixing[r][-1] + 1)
         if j >= 2:
             own = [launch[r][j - 1] - launch[r][j - 2] for r in (0, 1)]
-            periods = [min(H, max(1, int(H * c / (sum(own) / 2) + 0.5))) for c in own]
+            periods = [period_rule(H, c, sum(own) / 2) for c in own]
     return mixing[0], mixing[1]
 
 

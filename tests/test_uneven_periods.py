@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _harness import run_world
-from _uneven import SMALL_BUCKETS, run_uneven
+from _uneven import SMALL_BUCKETS, period_rule, run_uneven
 from test_uneven import _reference
 
 import decent_optim as dopt
@@ -38,7 +38,7 @@ def _planned_periods(runs) -> list[list[int]]:
         own = [launches[i][k - 1] - launches[i][k - 2] for i in range(n)]
         mean = sum(own) / n
         for i in range(n):
-            periods[i][k] = min(H, max(1, int(H * own[i] / mean + 0.5)))
+            periods[i][k] = period_rule(H, own[i], mean)
     return periods
 
 
