@@ -386,3 +386,29 @@ def test_plan_names_the_codec_whose_round_crosses_in_time(capsys, monkeypatch):
     assert "local_steps=8: compression='int8' keeps a round hidden" in out
     assert plan.main(["--r", "1000", "--compression", "int8"]) == 0
     assert "local_steps=1: no round is hidden" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8", *NAMES])
+def test_the_slice_length_changes_no_bit(name, monkeypatch):
+    """A GPU works the buffers in larger slices than a CPU (codec_base.SLICE_BY_DEVICE); the
+    chunks are the same, so payload, absorbed copy and decoded sum are the same bits."""
+    from decent_optim.gossip import codec_base
+
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(5 * CHUNK + 77, generator=gen)
+    b = a + 0.1 * torch.randn(a.numel(), generator=gen)
+
+    def one_round(slice_elements: int):
+        monkeypatch.setitem(codec_base.SLICE_BY_DEVICE, "cpu", slice_elements)
+        codec = codecs.get(name)
+        payload = torch.empty(codec.nbytes(a.numel()), dtype=torch.uint8)
+        public = b.clone()
+        codec.encode_(a, public, payload, absorb=True, seed=11)
+        out = torch.zeros_like(a)
+        codec.decode_add_(payload, out)
+        return payload, public, out
+
+    small, large = one_round(CHUNK), one_round(1 << 24)
+    assert codec_base.slice_len(torch.device("cuda")) == 1 << 24
+    for x, y in zip(small, large):
+        assert torch.equal(x, y)

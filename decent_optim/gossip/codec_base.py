@@ -5,16 +5,27 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import torch
 from torch import Tensor
 
 from decent_optim.runtime.wire import CHUNK
 
-__all__ = ["CHUNK", "SLICE", "Codec"]
+__all__ = ["CHUNK", "SLICE", "Codec", "slice_len"]
 
 #: elements per slice of a pass (a multiple of CHUNK): float32 temporaries of 1 MB stay in cache,
 #: and a slice is long enough that the per-operation overhead is small (measured on a 2-core
 #: CPU, 6.3M elements: 2**15: 29 ms to encode, 2**17: 9.1 ms, 2**18: 7.7 ms, 2**19: 7.0 ms)
 SLICE = 1 << 18
+#: the same per device kind: a GPU launches about ten kernels per slice, each of several
+#: microseconds, so its slices are far larger. Measured on an H200 (benchmarks/codec_speed.py,
+#: 124M elements, encode with absorb): int8 64 ms at 2**18, 4.6 ms at 2**22, 3.0 ms at 2**24;
+#: top1%+int2 269, 21 and 6.1 ms (a 163M-parameter GPT's training step: 32-55 ms there).
+SLICE_BY_DEVICE = {"cpu": SLICE, "cuda": 1 << 24}
+
+
+def slice_len(device: torch.device) -> int:
+    """Elements per slice of a codec's pass over buffers on ``device``."""
+    return SLICE_BY_DEVICE.get(device.type, SLICE_BY_DEVICE["cuda"])
 
 
 class Codec(ABC):

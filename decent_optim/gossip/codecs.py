@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from decent_optim.gossip.codec_base import CHUNK, SLICE, Codec
+from decent_optim.gossip.codec_base import CHUNK, SLICE, Codec, slice_len
 from decent_optim.gossip.sparse_codecs import Chunked, Quantized, RandomK, TopK  # noqa: F401
 from decent_optim.runtime import wire
 
@@ -38,6 +38,7 @@ __all__ = [
     "CHUNK",
     "CODECS",
     "SLICE",
+    "slice_len",
     "Bf16",
     "Chunked",
     "Codec",
@@ -68,8 +69,9 @@ class Bf16(Codec):
         seed: int | None = None,
     ) -> None:
         values = payload.view(torch.bfloat16)
-        for lo in range(0, a.numel(), SLICE):
-            hi = min(lo + SLICE, a.numel())
+        step = slice_len(a.device)
+        for lo in range(0, a.numel(), step):
+            hi = min(lo + step, a.numel())
             # computed in a's precision, rounded once when written to the bfloat16 output
             torch.sub(a[lo:hi], b[lo:hi], out=values[lo:hi])
             if absorb:
@@ -121,8 +123,9 @@ class Int8(Codec):
         values, scales = self.parts(payload)
         n = a.numel()
         tmp = self._tmp(a)
-        for lo in range(0, n, SLICE):
-            hi = min(lo + SLICE, n)
+        step = slice_len(a.device)
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
             width = -(-(hi - lo) // CHUNK) * CHUNK
             d = tmp[:width]
             torch.sub(a[lo:hi], b[lo:hi], out=d[: hi - lo])
@@ -145,8 +148,9 @@ class Int8(Codec):
         values, scales = self.parts(payload)
         hi = out.numel() if hi is None else hi
         tmp = self._tmp(out)
-        for start in range(lo, hi, SLICE):
-            stop = min(start + SLICE, hi)
+        step = slice_len(out.device)
+        for start in range(lo, hi, step):
+            stop = min(start + step, hi)
             width = -(-(stop - start) // CHUNK) * CHUNK
             d = tmp[:width]
             chunks = scales[start // CHUNK : start // CHUNK + width // CHUNK]
@@ -167,9 +171,11 @@ class Int8(Codec):
     def _tmp(self, like: Tensor) -> Tensor:
         dtype = torch.promote_types(like.dtype, torch.float32)
         key = (like.device, dtype)
+        # a slice, or less for a smaller buffer (a GPU's slices are 64 MB)
+        need = min(slice_len(like.device), -(-like.numel() // CHUNK) * CHUNK)
         tmp = self._scratch.get(key)
-        if tmp is None:
-            tmp = self._scratch[key] = torch.empty(SLICE, dtype=dtype, device=like.device)
+        if tmp is None or tmp.numel() < need:
+            tmp = self._scratch[key] = torch.empty(need, dtype=dtype, device=like.device)
         return tmp
 
 

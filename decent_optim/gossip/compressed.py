@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from decent_optim.gossip.codecs import SLICE, Codec
+from decent_optim.gossip.codecs import Codec, slice_len
 from decent_optim.gossip.exchange import Link
 from decent_optim.gossip.handle import GossipHandle
 from decent_optim.gossip.nodes import AcrossNodes, Mix, Parts, post
@@ -194,7 +194,7 @@ class CompressedGroup(AcrossNodes):
                                 ("staged", b, a), c.numel(), c.dtype, c.device
                             )
                             held[b][a].copy_(c)
-                acc = link.scratch("acc", min(SLICE, x.numel()), x.dtype, x.device)
+                acc = link.scratch("acc", min(slice_len(x.device), x.numel()), x.dtype, x.device)
                 payloads = incoming[b] if primed else None
                 mix_shard_(x, means[b], held[b], parts.mine, payloads, codec, acc)
 
@@ -302,13 +302,14 @@ def mix_shard_(
             already holds this round's value (the encoder absorbed its payload).
         payloads: the other parts' payloads, in part order; None for a round of exact values,
             whose copies already hold what was received.
-        acc: scratch of ``min(SLICE, x.numel())`` elements.
+        acc: scratch of ``min(slice_len(x.device), x.numel())`` elements.
     """
     own = copies[mine]
     others = [c for a, c in enumerate(copies) if a != mine]
     alpha = codec.gamma / len(copies)
-    for lo in range(0, x.numel(), SLICE):
-        hi = min(lo + SLICE, x.numel())
+    step = slice_len(x.device)
+    for lo in range(0, x.numel(), step):
+        hi = min(lo + step, x.numel())
         if payloads is not None:  # every holder adds the same payload to a copy: they stay equal
             for payload, copy in zip(payloads, others):
                 codec.decode_add_(payload, copy, lo, hi)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from decent_optim.gossip.codec_base import CHUNK, SLICE, Codec
+from decent_optim.gossip.codec_base import CHUNK, Codec, slice_len
 from decent_optim.runtime.wire import LEVELS, Spec
 
 __all__ = ["Chunked", "Quantized", "RandomK", "TopK"]
@@ -108,8 +108,9 @@ class Chunked(Codec):
             seed_part.fill_(seed & _MASK)
         n = a.numel()
         dtype = torch.promote_types(a.dtype, torch.float32)
-        for lo in range(0, n, SLICE):
-            hi = min(lo + SLICE, n)
+        step = slice_len(a.device)
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
             c0, width = lo // chunk, -(-(hi - lo) // chunk) * chunk
             d = torch.zeros(width, dtype=dtype, device=a.device)  # a zero tail changes no maximum
             torch.sub(a[lo:hi], b[lo:hi], out=d[: hi - lo])
@@ -146,8 +147,9 @@ class Chunked(Codec):
         if lo % chunk:
             raise ValueError(f"decode_add_: lo must be a multiple of the chunk, {chunk}, got {lo}")
         dtype = torch.promote_types(out.dtype, torch.float32)
-        for start in range(lo, hi, SLICE):
-            stop = min(start + SLICE, hi)
+        step = slice_len(out.device)
+        for start in range(lo, hi, step):
+            stop = min(start + step, hi)
             c0 = start // chunk
             c1 = c0 + -(-(stop - start) // chunk)
             if spec.bits == 32:
