@@ -232,6 +232,7 @@ def worker(args) -> None:
             local_steps=m["H"],
             outer=outer,
             uneven=_uneven_setting(dopt, m),
+            local_world_size=args.local_world_size or None,
         )
     elif m["kind"] == "diloco":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -373,6 +374,8 @@ def worker(args) -> None:
         train_s += float(elapsed.item())
         loss = consensus_loss()
         rows.append({"step": done, "train_s": train_s, "val_loss": loss})
+        if isinstance(getattr(opt, "bytes_sent", None), int):
+            rows[-1]["bytes_sent"] = opt.bytes_sent
         if rank == 0:
             print(f"    {args.method}: step {done} {train_s:.1f}s loss {loss:.4f}", flush=True)
         if target is not None and reached is None and loss <= target:
@@ -399,10 +402,32 @@ def worker(args) -> None:
             "time_to_target_s": reached,
             "peak_lr": peak,
             "compute_ms": device.compute_s * 1e3,
+            "bytes_per_step": _bytes_per_step(opt, args.method, n, params, rows[-1]["step"]),
+            "bytes_per_step_after_first_eval": _bytes_after_first(rows),
             "curve": rows,
         }
         Path(args.part).write_text(json.dumps(out))
     dist.barrier()  # the part is written (a next method in the same launch reads the target)
+
+
+def _bytes_per_step(opt, method: str, n: int, params, steps: int) -> float | None:
+    """Bytes a rank sent per step: the optimizer's count where it keeps one
+    (``opt.bytes_sent``); DDP's fp32 ring all-reduce, 2 (n - 1) / n x 4 bytes a parameter,
+    where it is DDP; None for the others."""
+    sent = getattr(opt, "bytes_sent", None)
+    if isinstance(sent, int) and steps:
+        return sent / steps
+    if method == "ddp":
+        return 2 * (n - 1) / n * 4 * sum(p.numel() for p in params)
+    return None
+
+
+def _bytes_after_first(rows) -> float | None:
+    """Bytes per step from the first evaluation to the last: without compressed gossip's first
+    round, which sends exact values once to fill the public copies."""
+    if len(rows) < 2 or "bytes_sent" not in rows[0]:
+        return None
+    return (rows[-1]["bytes_sent"] - rows[0]["bytes_sent"]) / (rows[-1]["step"] - rows[0]["step"])
 
 
 def _replay(snapshots, params, evaluate, target, every):
@@ -552,8 +577,9 @@ def write_results(args, nnodes: int, rows: list[dict], notes: list[str]) -> None
         f"{ddp['final_loss']:.4f}; {_devices.describe(args)}{regime}; load average at the end "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
         "",
-        "| method | time to target s | vs DDP | steps | ms / step | final loss | vs DDP loss |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | time to target s | vs DDP | steps | ms / step | final loss | vs DDP loss "
+        "| bytes / step vs DDP | after the first evaluation |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = ddp["train_s"]
     for r in rows:
@@ -561,9 +587,15 @@ def write_results(args, nnodes: int, rows: list[dict], notes: list[str]) -> None
         when = f"{t:.1f}" if t is not None else f"not reached ({r['train_s']:.0f} s)"
         ratio = f"{t / base:.2f}x" if t is not None else "-"
         gap = (r["final_loss"] / ddp["final_loss"] - 1) * 100
+        sent, ddp_sent = r.get("bytes_per_step"), ddp.get("bytes_per_step")
+        later = r.get("bytes_per_step_after_first_eval")
+        wire = [
+            f"1/{ddp_sent / b:.0f}" if b and ddp_sent and r is not ddp else "-"
+            for b in (sent, later)
+        ]
         lines.append(
             f"| {r['method']} | {when} | {ratio} | {r['steps']} | {r['ms_per_step']:.1f} | "
-            f"{r['final_loss']:.4f} | {gap:+.2f}% |"
+            f"{r['final_loss']:.4f} | {gap:+.2f}% | {wire[0]} | {wire[1]} |"
         )
     lines += [""] + [f"* {n}" for n in notes]
     table = "\n".join(lines)
@@ -652,6 +684,10 @@ def main() -> None:
         q.add_argument("--time-limit-factor", type=float, default=3.0)
         q.add_argument("--seed", type=int, default=0)
         q.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+        q.add_argument("--local-world-size", type=int, default=0,
+                       help="ranks per node as our optimizers see them (0: torchrun's; "
+                       "1 with --one-launch: every rank a node of its own, all bytes counted "
+                       "as crossing an uplink)")  # fmt: skip
         _devices.add_arguments(q)
     args = p.parse_args()
     if args.plot:
