@@ -76,9 +76,10 @@ def test_a_rank_that_leaves_its_loop_early_gives_its_neighbour_a_clear_error_in_
 
 def _averaged_at_own_steps(rank, n):
     """The habit of every other mode: evaluate when the own step count is a multiple of 5.
-    Rank 1 is much slower, so the ranks reach their 5th step at different rounds."""
+    Rank 1 is much slower, so the ranks reach their 5th step at different rounds. (The
+    timeout also bounds the wait for the round left in flight when the optimizer is freed.)"""
     model = _model()
-    opt = build(model, 2, timeout=60)
+    opt = build(model, 2, timeout=5)
     for t in range(40):
         train_step(model, opt, rank, t)
         time.sleep(0.2 * rank)
