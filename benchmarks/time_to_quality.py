@@ -45,7 +45,9 @@ Methods (``--methods``):
   gives ``decent`` ``outer=LocalOuterSGD(every=every)``: an outer Nesterov step on each rank's
   slow weights every ``every`` steps, at ``--lr`` x ``--decent-lr-factor`` unless ``:x``);
   with ``:uneven``, ``:fixed`` keeps every rank's period at ``h`` (``Uneven(adaptive=False)``)
-  and ``:cap<c>`` sets ``Uneven(cap=c)``.
+  and ``:cap<c>`` sets ``Uneven(cap=c)``; ``:g<gamma>`` gives a sparse or 4-/2-bit codec
+  that consensus step instead of its own (``TopK(1, bits=2, gamma=0.1)`` for
+  ``decent:ring+top1%+int2:g0.1``).
 
 Uneven or emulated hardware (``_devices.py``): ``--device-ms D`` pads every step, after its
 forward and backward and before any communication, to D ms of emulated device time (DDP's
@@ -117,6 +119,7 @@ def parse_method(method: str) -> dict:
         "tau": 0,
         "alpha": 0.0,
         "bits": None,
+        "gamma": None,
     }
     parts = spec.split(":") if spec else []
     if kind in ("decent", "decentdp") and parts:
@@ -143,6 +146,8 @@ def parse_method(method: str) -> dict:
             out["cap"] = float(p[3:])
         elif p.startswith("slow") and kind == "decent":
             out["slow"] = int(p[4:])
+        elif p.startswith("g") and kind == "decent":
+            out["gamma"] = float(p[1:])
         elif p.startswith("x") and kind in ("decent", "diloco", *STREAMING):
             out["x"] = float(p[1:])
         elif p.startswith("olr") and kind in ("decent", "diloco", *STREAMING):
@@ -153,6 +158,10 @@ def parse_method(method: str) -> dict:
             raise SystemExit(f"bad method {method!r}: unknown part {p!r}")
     if kind not in ("ddp", "decent", "decentdp", "diloco", *STREAMING):
         raise SystemExit(f"unknown method {method!r}")
+    if out["gamma"] is not None and not (out["compression"] or "").startswith(
+        ("rand", "top", "int4", "int2")
+    ):
+        raise SystemExit(f"bad method {method!r}: g<gamma> needs a sparse or 4-/2-bit codec")
     if (out["fixed"] or out["cap"] is not None) and not out["uneven"]:
         raise SystemExit(f"bad method {method!r}: fixed/cap<c> need :uneven")
     if (out["olr"] is not None or out["om"] is not None) and not (
@@ -160,6 +169,20 @@ def parse_method(method: str) -> dict:
     ):
         raise SystemExit(f"bad method {method!r}: olr/om need diloco or :slow<every>")
     return out
+
+
+def _codec(m: dict):
+    """``compression=`` for a ``decent`` method: the name, or with ``:g<gamma>`` the codec
+    object with that consensus step."""
+    if m["gamma"] is None:
+        return m["compression"]
+    from decent_optim.gossip import codecs
+
+    own = codecs.get(m["compression"])
+    bits = None if own.spec.bits == 32 else own.spec.bits
+    if own.spec.keep == "all":
+        return codecs.Quantized(own.spec.bits, gamma=m["gamma"])
+    return type(own)(own.spec.percent, bits, gamma=m["gamma"])
 
 
 def _uneven_setting(dopt, m: dict):
@@ -228,7 +251,7 @@ def worker(args) -> None:
             lr=peak,
             betas=betas,
             topology=m["topology"],
-            compression=m["compression"],
+            compression=_codec(m),
             local_steps=m["H"],
             outer=outer,
             uneven=_uneven_setting(dopt, m),

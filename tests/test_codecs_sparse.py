@@ -213,6 +213,9 @@ def test_bad_arguments_of_the_classes_are_refused():
         RandomK(1, bits=3)
     with pytest.raises(ValueError, match="chunk must divide"):
         TopK(1, chunk=1000)
+    for bad in (0, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match=r"gamma must be None .* in \(0, 1\]"):
+            TopK(1, bits=2, gamma=bad)
 
 
 GAMMAS = {  # docs/algorithms.rst: min(c k/C, g), c = 1/2 (rand), 2 (top); g = 0.2 for int2
@@ -250,9 +253,13 @@ def _shards(numel: int, width: int) -> list[tuple[int, int]]:
     return [(min(k * size, numel), min((k + 1) * size, numel)) for k in range(width)]
 
 
-def _simulate(name: str, topology: str, n: int, local: int, x: torch.Tensor, rounds: int):
-    """x (ranks, numel) after each of ``rounds`` compressed gossip rounds (round 0 not run)."""
+def _simulate(
+    name: str, topology: str, n: int, local: int, x: torch.Tensor, rounds: int, gamma=None
+):
+    """x (ranks, numel) after each of ``rounds`` compressed gossip rounds (round 0 not run);
+    ``gamma``: the consensus step, if not the codec's own."""
     codec = codecs.get(name)
+    gamma = codec.gamma if gamma is None else gamma
     keep, percent, bits = codec.spec.keep, codec.spec.percent, codec.spec.bits
     bits = None if bits == 32 else bits
     topo = get_topology(topology, n, local)
@@ -279,7 +286,7 @@ def _simulate(name: str, topology: str, n: int, local: int, x: torch.Tensor, rou
                         held[a][lo:hi] += q
             for a, part in enumerate(parts):
                 pull = sum(held[b] - held[a] for b in range(len(parts)) if b != a)
-                new[part] = means[a] + codec.gamma / len(parts) * pull
+                new[part] = means[a] + gamma / len(parts) * pull
         x = new
         history.append(x.clone())
     return torch.stack(history, 1)
@@ -334,6 +341,23 @@ def test_rounds_match_the_dense_reference_keep_the_mean_and_reach_consensus(
     # the consensus distance falls, round after round once every group's copies are primed
     # (slowly for random-k: its consensus step is k / 2C)
     assert spread[-1] < 0.95 * spread[0] and (spread[4:].diff() < 0).all(), spread
+
+
+@pytest.mark.multiprocess
+def test_a_consensus_step_of_the_users_is_the_one_mixed_with():
+    """TopK(1, bits=2, gamma=0.1): five times the codec's own step, in the ranks' rounds as in
+    the dense reference; its repr says so (start-up compares it across ranks)."""
+    codec = TopK(1, bits=2, gamma=0.1)
+    assert (
+        repr(codec) == "TopK('top1%+int2', gamma=0.1)" and repr(TopK(1, 2)) == "TopK('top1%+int2')"
+    )
+    rounds = 12
+    results = run_world(_gossip_alone, 4, "ring", 1, codec, rounds)
+    got = torch.stack([h for h, _ in results])
+    want = _simulate("top1%+int2", "ring", 4, 1, _start(4), rounds - 1, gamma=0.1)
+    torch.testing.assert_close(got[:, 1:], want, rtol=0, atol=1e-9)
+    own = _simulate("top1%+int2", "ring", 4, 1, _start(4), rounds - 1)
+    assert (own - want).abs().max() > 1e-3  # the test would pass with the codec's own step
 
 
 # -- bytes on the wire ---------------------------------------------------------------------------

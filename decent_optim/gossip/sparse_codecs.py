@@ -25,6 +25,8 @@ Strong sparsification needs a consensus step below one: :attr:`Chunked.gamma` (s
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -43,9 +45,15 @@ class Chunked(Codec):
     positions uint16 (top) | values packed (quantized)]``, each part aligned to its type.
     """
 
-    def __init__(self, spec: Spec, chunk: int = CHUNK) -> None:
+    def __init__(self, spec: Spec, chunk: int = CHUNK, gamma: float | None = None) -> None:
         if chunk < 1 or CHUNK % chunk:
             raise ValueError(f"chunk must divide {CHUNK}, got {chunk}")
+        if gamma is not None and (
+            isinstance(gamma, bool) or not isinstance(gamma, numbers.Real) or not 0 < gamma <= 1
+        ):
+            raise ValueError(
+                f"gamma must be None (the codec's own step) or a number in (0, 1], got {gamma!r}"
+            )
         self.spec, self.chunk = spec, chunk
         self.name = spec.name
         self.k = spec.kept(chunk)
@@ -53,12 +61,15 @@ class Chunked(Codec):
             spec.nbytes(chunk, chunk) - (8 if spec.keep == "rand" else 0)
         ) / chunk
         #: the consensus step of the mix (module docstring of :mod:`.compressed`)
-        self.gamma = _gamma(spec, chunk)
+        self.gamma = _gamma(spec, chunk) if gamma is None else float(gamma)
+        self._own_gamma = gamma is not None
         self._counter = 0  # seeds of encodes that were given none
         self._drawn: tuple[tuple[int, int, torch.device], Tensor] | None = None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
+        # the step is part of what the ranks must agree on (start-up compares this text)
+        gamma = f", gamma={self.gamma!r}" if self._own_gamma else ""
+        return f"{type(self).__name__}({self.name!r}{gamma})"
 
     def nbytes(self, numel: int) -> int:
         return self.spec.nbytes(numel, self.chunk)
@@ -232,26 +243,40 @@ class Quantized(Chunked):
     """Every element, ``bits`` (4 or 2) per value with a float32 scale per chunk: ``"int4"``,
     ``"int2"``."""
 
-    def __init__(self, bits: int, chunk: int = CHUNK) -> None:
+    def __init__(self, bits: int, chunk: int = CHUNK, gamma: float | None = None) -> None:
         if bits not in (2, 4):
             raise ValueError(f"Quantized: bits must be 4 or 2 (8 is codecs.Int8), got {bits}")
-        super().__init__(Spec("all", 100.0, bits), chunk)
+        super().__init__(Spec("all", 100.0, bits), chunk, gamma)
 
 
 class RandomK(Chunked):
     """``percent`` % of each chunk at random positions from a shared seed: ``"rand<p>%"``, with
-    ``bits`` (8, 4, 2) ``"rand<p>%+int<bits>"``; ``bits=None`` sends float32 values."""
+    ``bits`` (8, 4, 2) ``"rand<p>%+int<bits>"``; ``bits=None`` sends float32 values. ``gamma``:
+    the consensus step, instead of the codec's own (:attr:`Chunked.gamma`)."""
 
-    def __init__(self, percent: float, bits: int | None = None, chunk: int = CHUNK) -> None:
-        super().__init__(_spec("rand", percent, bits), chunk)
+    def __init__(
+        self,
+        percent: float,
+        bits: int | None = None,
+        chunk: int = CHUNK,
+        gamma: float | None = None,
+    ) -> None:
+        super().__init__(_spec("rand", percent, bits), chunk, gamma)
 
 
 class TopK(Chunked):
     """The ``percent`` % largest magnitudes of each chunk, with their positions: ``"top<p>%"``,
-    with ``bits`` (8, 4, 2) ``"top<p>%+int<bits>"``; ``bits=None`` sends float32 values."""
+    with ``bits`` (8, 4, 2) ``"top<p>%+int<bits>"``; ``bits=None`` sends float32 values.
+    ``gamma``: the consensus step, instead of the codec's own (:attr:`Chunked.gamma`)."""
 
-    def __init__(self, percent: float, bits: int | None = None, chunk: int = CHUNK) -> None:
-        super().__init__(_spec("top", percent, bits), chunk)
+    def __init__(
+        self,
+        percent: float,
+        bits: int | None = None,
+        chunk: int = CHUNK,
+        gamma: float | None = None,
+    ) -> None:
+        super().__init__(_spec("top", percent, bits), chunk, gamma)
 
 
 def _spec(keep: str, percent: float, bits: int | None) -> Spec:
