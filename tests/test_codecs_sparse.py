@@ -257,7 +257,11 @@ def _simulate(
     name: str, topology: str, n: int, local: int, x: torch.Tensor, rounds: int, gamma=None
 ):
     """x (ranks, numel) after each of ``rounds`` compressed gossip rounds (round 0 not run);
-    ``gamma``: the consensus step, if not the codec's own."""
+    ``gamma``: the consensus step, if not the codec's own. Every public copy starts from the
+    values the ranks were built with, :func:`_common` (the start-up broadcast gave every rank
+    those; the ranks then write their own), so the first round already sends compressed
+    differences."""
+    broadcast = _common()
     codec = codecs.get(name)
     gamma = codec.gamma if gamma is None else gamma
     keep, percent, bits = codec.spec.keep, codec.spec.percent, codec.spec.bits
@@ -274,16 +278,13 @@ def _simulate(
                 continue
             parts = [[i for i in group if i // local == node] for node in nodes]
             means = [x[p].mean(0) for p in parts]
-            held = copies.get(group)
-            if held is None:
-                held = copies[group] = [m.clone() for m in means]
-            else:
-                for a, m in enumerate(means):
-                    for lo, hi in _shards(x.shape[1], len(parts[0])):
-                        q = reference(
-                            keep, percent, bits, CHUNK, m[lo:hi], held[a][lo:hi], (t << 36) + a
-                        )
-                        held[a][lo:hi] += q
+            held = copies.setdefault(group, [broadcast.clone() for _ in parts])
+            for a, m in enumerate(means):
+                for lo, hi in _shards(x.shape[1], len(parts[0])):
+                    q = reference(
+                        keep, percent, bits, CHUNK, m[lo:hi], held[a][lo:hi], (t << 36) + a
+                    )
+                    held[a][lo:hi] += q
             for a, part in enumerate(parts):
                 pull = sum(held[b] - held[a] for b in range(len(parts)) if b != a)
                 new[part] = means[a] + gamma / len(parts) * pull
@@ -292,19 +293,28 @@ def _simulate(
     return torch.stack(history, 1)
 
 
+def _common() -> torch.Tensor:
+    """The values every rank is built with (so the start-up broadcast gives these)."""
+    gen = torch.Generator().manual_seed(99)
+    return torch.randn(NUMEL, generator=gen, dtype=torch.float64) * torch.logspace(-2, 2, NUMEL)
+
+
 def _start(n: int) -> torch.Tensor:
+    """Each rank's own values, written after the optimizer is built: the common start moved
+    apart by a tenth of its scale, as ranks drift apart in training."""
     rows = []
     for rank in range(n):
         gen = torch.Generator().manual_seed(rank)
-        rows.append(
-            torch.randn(NUMEL, generator=gen, dtype=torch.float64) * torch.logspace(-2, 2, NUMEL)
+        drift = torch.randn(NUMEL, generator=gen, dtype=torch.float64) * torch.logspace(
+            -2, 2, NUMEL
         )
+        rows.append(_common() + 0.1 * drift)
     return torch.stack(rows)
 
 
 def _gossip_alone(rank, n, topology, local, compression, rounds):
     """lr = 0: every step is one round of mixing; returns the values after each, and the bytes."""
-    x = torch.nn.Parameter(_start(n)[rank].clone())
+    x = torch.nn.Parameter(_common())
     opt = dopt.DSGD([x], lr=0.0, topology=topology, local_world_size=local, compression=compression)
     with torch.no_grad():
         x.copy_(
@@ -338,9 +348,15 @@ def test_rounds_match_the_dense_reference_keep_the_mean_and_reach_consensus(
     scale = _start(n).abs().max()
     torch.testing.assert_close(mean, mean[:1].expand_as(mean), rtol=0, atol=1e-13 * scale)
     spread = (got - mean).norm(dim=(0, 2))
-    # the consensus distance falls, round after round once every group's copies are primed
-    # (slowly for random-k: its consensus step is k / 2C)
-    assert spread[-1] < 0.95 * spread[0] and (spread[4:].diff() < 0).all(), spread
+    # the consensus distance falls, round after round. Slowly for random-k: its step is k / 2C,
+    # and its public copies start from the common start and take in 1% of a difference a round,
+    # so they need about C / k rounds to see the ranks' own values (an exact first round would
+    # cost the bytes of 455 rounds of rand1%+int4); in the 2 x 2 ring every other round is
+    # inside the nodes, whose members already agree
+    if name.startswith("rand"):
+        assert spread[-1] < spread[0] and (spread[4:].diff() <= 0).all(), spread
+    else:
+        assert spread[-1] < 0.95 * spread[0] and (spread[4:].diff() < 0).all(), spread
 
 
 @pytest.mark.multiprocess
@@ -378,21 +394,23 @@ def test_bytes_sent_are_the_payloads(topology, n, local, compression):
     results = run_world(_gossip_alone, n, topology, local, compression, steps)
     full = NUMEL * 8  # float64
     for rank, (_, sent) in enumerate(results):
-        # step t launches round t + 1; a compressed group's first round sends exact values
+        # step t launches round t + 1; a sparse codec's public copies start from the broadcast
+        # start values, so its first round sends a payload too (bf16 and int8 send exact values)
         if topology == "ring" and compression is None:  # one peer per round, point to point
             per_round = [full] * steps
         elif topology == "complete" and local == 1:  # a ring all-reduce over 4
             per_round = [2 * 3 * full // 4] * steps
-        elif topology == "ring":  # two groups per rank (pairs), each exact once, then 35 bytes
+        elif topology == "ring":  # two groups per rank (pairs), 35 bytes each round
             payload = 8 + 3 * 4 + 3 * math.ceil(10 * 4 / 8)
             assert codecs.get(compression).nbytes(NUMEL) == payload
-            per_round = [full, full] + [payload] * (steps - 2)
+            per_round = [payload] * steps
         else:  # 2 x 2: the partner's shard out and the own shard's payload across at the
             # launch; the mixed own shard back to the partner at the mix, in the next step
             own, other = (2048, 952) if rank % 2 == 0 else (952, 2048)
             payload = own * 8 if compression is None else math.ceil(own / CHUNK) * (4 + 20 + 3)
             later = other * 8 + payload + own * 8
-            per_round = [other * 8 + own * 8] + [later] * (steps - 1)
+            first = other * 8 + (own * 8 if compression is None else payload)
+            per_round = [first] + [later] * (steps - 1)
         assert sent == list(np.cumsum(per_round)), (rank, sent)
 
 

@@ -38,6 +38,10 @@ class Codec(ABC):
     #: the consensus step of the mix, :math:`\gamma` of :mod:`~decent_optim.gossip.compressed`
     #: (below 1 for codecs that leave out most of a difference)
     gamma: float = 1.0
+    #: whether the public copies start from the values every rank holds after the start-up
+    #: broadcast, so that the first round sends this codec's payload instead of exact values
+    #: (bf16 and int8 keep their exact first round, bit for bit as before)
+    primes_from_start: bool = False
 
     @abstractmethod
     def nbytes(self, numel: int) -> int:

@@ -40,7 +40,9 @@ public copies of its shard only (:math:`p` shards of :math:`1/L` of each bucket)
 encodes :math:`q_a`, adds it to its own copy in the same pass, and sends it; in step 3 it adds
 every other :math:`q_b` to its copy and writes :math:`x_i` on its shard. The first round of a
 group (and the first after :meth:`CompressedGroup.reset`) has no public copies yet: it sends
-:math:`m_a` exactly, and every member sets the copies to the values sent.
+:math:`m_a` exactly, and every member sets the copies to the values sent -- unless the codec
+starts them from the start-up broadcast (:attr:`.Codec.primes_from_start`,
+:meth:`CompressedGroup.prime`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,17 @@ class CompressedGroup(AcrossNodes):
     def reset(self) -> None:
         """Forget the public copies: the next round sends exact values (all members must call it)."""
         self._primed, self._resend = False, None
+
+    def prime(self, buffers: Sequence[Tensor]) -> None:
+        """Every part's public copy of this rank's shards of ``buffers``, which hold the same
+        values on every member (the start-up broadcast): the first round sends compressed
+        differences, not exact values."""
+        self._copies, self._layout = [], []
+        for b in buffers:
+            lo, hi = self._bounds(b)
+            self._copies.append([b[lo:hi].clone() for _ in self.parts.parts])
+            self._layout.append((hi - lo, b.dtype, b.device))
+        self._primed, self._resend = True, None
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the group (module docstring), copied."""

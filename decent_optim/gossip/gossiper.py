@@ -277,6 +277,13 @@ class Gossiper:
         for exchange in self._compressed.values():
             exchange.reset()
 
+    def prime(self, buffers: Sequence[Tensor]) -> None:
+        """Start compressed groups' public copies from ``buffers``, equal on every rank (the
+        start-up broadcast), where the codec does (:attr:`.Codec.primes_from_start`)."""
+        if self._codec is not None and self._codec.primes_from_start:
+            for exchange in self._compressed.values():
+                exchange.prime(buffers)
+
     def compressed_state(self) -> dict[str, Any] | None:
         """This rank's compressed groups' state for a checkpoint; None without compression."""
         if self._codec is None:

@@ -45,6 +45,9 @@ class Chunked(Codec):
     positions uint16 (top) | values packed (quantized)]``, each part aligned to its type.
     """
 
+    #: an exact first round would cost as many bytes as hundreds of these rounds
+    primes_from_start = True
+
     def __init__(self, spec: Spec, chunk: int = CHUNK, gamma: float | None = None) -> None:
         if chunk < 1 or CHUNK % chunk:
             raise ValueError(f"chunk must divide {CHUNK}, got {chunk}")

@@ -244,6 +244,7 @@ def connect(
         compression=compression,
         deferred=deferred,
     )
+    gossip.prime(flat.buffers)  # the broadcast values: sparse codecs need no exact first round
     return Connected(gossip, topo, flat, frozen, stash, member, group, device)
 
 
