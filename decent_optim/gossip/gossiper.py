@@ -244,6 +244,16 @@ class Gossiper:
     def hint(self, text: str | None) -> None:
         self._link.hint = text
 
+    @property
+    def watch(self) -> Callable[[Callable[[], None]], None] | None:
+        """What runs the rounds' waits while watching for a change of membership (live
+        membership's :meth:`~decent_optim.gossip.membership.Membership.watch`); None: no one."""
+        return self._link.watch
+
+    @watch.setter
+    def watch(self, watch: Callable[[Callable[[], None]], None] | None) -> None:
+        self._link.watch = watch
+
     def average_(self, tensors: Sequence[Tensor], what: str = "the global average") -> None:
         """In place, synchronously: every tensor becomes its mean over the group's ranks
         (waited for at most the timeout; ``what`` names it in the error)."""
