@@ -224,10 +224,12 @@ class Gossiper:
                 | set(self.topology.out_peers(self.rank, step))
             )
             why = "a peer has probably died" if self.hint is None else self.hint
-            raise GossipError(
+            error = GossipError(
                 f"[rank {self.rank}] gossip round {step}: launching it failed, with peer(s) "
                 f"{peers}; {why}. Cause: {err}"
-            ) from err
+            )
+            error.peers = tuple(peers) if len(peers) == 1 else ()  # else: which one is unknown
+            raise error from err
 
     @property
     def bytes_sent(self) -> int:

@@ -140,7 +140,10 @@ class Membership:
         gloo's point-to-point ``Work.is_completed()`` stays False and a timed-out wait closes
         the connection, so ``wait`` runs in a helper thread while this one watches the store
         (checks spaced from 0.1 ms up to ``poll``: a quick exchange is not slowed down). After
-        a change the helper is left to end with its transfers' error or timeout.
+        a change the helper is left to end with its transfers' error or timeout; it is not a
+        daemon, because a gloo wait still running when the interpreter exits aborts the
+        process ("terminate called without an active exception"): a process that ends right
+        after a change waits for it, at most the transfers' timeout.
         """
         outcome: list[BaseException] = []
         done = threading.Event()
@@ -152,7 +155,7 @@ class Membership:
                 outcome.append(exc)
             done.set()
 
-        threading.Thread(target=run, name="decent_optim-membership-wait", daemon=True).start()
+        threading.Thread(target=run, name="decent_optim-membership-wait", daemon=False).start()
         pause = 1e-4
         while not done.wait(pause):
             if self.pending():
