@@ -79,8 +79,8 @@ def train(store_address: str, steps: int, timeout: float) -> None:
 
     def on_change(view: View) -> None:
         # a training loop would reshard its data here: rank view.rank of view.world_size
-        print(f"[id {rank}] now rank {view.rank} of {view.world_size} "
-              f"(generation {view.generation}, lost ids {list(view.lost)})", flush=True)  # fmt: skip
+        print(f"[id {rank}] now rank {view.rank} of {view.world_size} (generation "
+              f"{view.generation}, lost ids {list(view.lost)})", flush=True)  # fmt: skip
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

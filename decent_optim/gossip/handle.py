@@ -127,6 +127,8 @@ class GossipHandle:
         as a timeout. With ``watch`` (live membership), a change another member started ends
         the wait with :class:`~decent_optim.gossip.membership.MembershipChanged`.
         """
+        if not self._works and not self._phases:
+            return  # waited for already (or nothing to wait for): no helper thread to start
         if self._watch is None:
             self._wait_phases()
         else:

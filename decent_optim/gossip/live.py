@@ -8,7 +8,8 @@ topology at the new size on the new group. The optimizer side is :mod:`decent_op
 
 The survivors notice a loss at different steps (a neighbour of the lost rank at once, a rank two
 hops away one round later, when its neighbours stop answering), so their step counts differ by
-a step or two when they rebuild; the largest is the round at which gossip resumes.
+a step or two (a period or two, with local steps) when they rebuild; the largest is the round
+at which gossip resumes.
 """
 
 from __future__ import annotations

@@ -17,11 +17,12 @@ the step does not raise. Instead this rank
    reshard its data; :attr:`~decent_optim.DecentralizedOptimizer.membership` holds the view.
 
 The survivors notice the loss at different steps (a rank two hops away one round later), so
-their step counts at the change differ by a step or two. Gossip resumes at the largest,
-:math:`R`: a survivor whose count is lower takes its steps up to :math:`R` without gossip (they
-are its own steps, kept), then every survivor launches round :math:`R` and the rounds are
-step-locked again. With ``local_steps=H`` the same holds for periods (the counts are multiples
-of :math:`H`; the failed period's round is dropped, the anchors restart from the parameters).
+their step counts at the change differ by a step or two (a period or two with
+``local_steps``). Gossip resumes at the largest, :math:`R`: a survivor whose count is lower
+takes its steps up to :math:`R` without gossip (they are its own steps, kept), then every
+survivor launches round :math:`R` and the rounds are step-locked again. With
+``local_steps=H`` the same holds for periods (the counts are multiples of :math:`H`; the failed
+period's round is dropped, the anchors restart from the parameters).
 
 What becomes of the progress: each survivor continues from its own current parameters, so the
 mean over the survivors is the new consensus, and gossip preserves it from then on. The lost
@@ -105,15 +106,14 @@ def check(
 def topology_for(name: str, view: View, local_world_size: int) -> Topology:
     """The topology ``name`` for the survivors of ``view``.
 
-    ``local_world_size`` is kept when the lost members were whole nodes (the survivors' new
-    ranks then still fill nodes in order); otherwise every worker counts as a node of its own
-    (exchanges stay exact; only the by-node saving on slow links is lost). A topology that does
-    not fit the new size (``one-peer-exp`` on 3 workers) falls back to ``"ring"``, with a
-    warning.
+    ``local_world_size`` is kept while the members are whole nodes of the first group (every
+    member's node-mates are members: the new ranks then still fill nodes in order); otherwise
+    every worker counts as a node of its own (exchanges stay exact; only the by-node saving on
+    slow links is lost). A topology that does not fit the new size (``one-peer-exp`` on 3
+    workers) falls back to ``"ring"``, with a warning.
     """
-    n, width = view.world_size, local_world_size
-    nodes = {i // width for i in view.lost}
-    if any(m // width in nodes for m in view.members) or n % width:
+    n, width, members = view.world_size, local_world_size, set(view.members)
+    if any(m - m % width + k not in members for m in members for k in range(width)):
         width = 1
     try:
         return topologies.get(name, n, width)
