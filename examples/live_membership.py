@@ -15,9 +15,10 @@ store. Or start it on its own, on a machine that does not train, and point the w
     RANK=0 WORLD_SIZE=4 python examples/live_membership.py --store HOST:29555 &   # one per worker
 
 **Not under torchrun.** torchrun's agent stops *every* worker of its node when one of them
-exits (and restarts them with ``--max-restarts``): ``torchrun --nproc-per-node 4`` ends the
-three survivors within its monitor interval, before they can go on. Live membership needs a
-launcher that leaves the survivors alone, as this script's ``--workers`` does.
+exits (and restarts them with ``--max-restarts``): under ``torchrun --nproc-per-node 4`` (with
+``--store`` pointing at a ``--serve-store`` process) the agent sent SIGTERM to the three
+survivors 0.1 s after the kill. Live membership needs a launcher that leaves the survivors
+alone, as this script's ``--workers`` does.
 
 ``LIVE_KILL=RANK:STEP``: that rank SIGKILLs itself before that step (the fault is injected).
 """
@@ -119,9 +120,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=5.0, help="membership's, in seconds")
     args, rest = parser.parse_known_args()
     if args.serve_store is not None:
-        serve(args.serve_store)
-        print(f"store on port {args.serve_store}; Ctrl-C ends it", flush=True)
-        signal.pause()
+        store = serve(args.serve_store)  # served while this object lives
+        print(f"store on port {store.port}; Ctrl-C ends it", flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+        return 0
     if args.workers:
         return launch(args.workers, ["--steps", str(args.steps), "--timeout", str(args.timeout)])
     if not args.store:
