@@ -79,7 +79,8 @@ def _train(rank, world_size, path, local_steps, victim, membership=True):
     out["final"] = _flat(params)
     if membership:
         out["view"], out["changes"] = tuple(opt.membership), [tuple(v) for v in changes]
-        out["world_size"] = (opt.world_size, opt.rank, opt.membership.world_size)
+        sizes = (opt.world_size, opt.rank, opt.membership.world_size, opt.topology.world_size)
+        out["world_size"] = sizes
     return out
 
 
@@ -170,7 +171,7 @@ def test_membership_reports_the_change_and_calls_back(killed_every_step):
         view = (1, survivors, new_rank, (VICTIM,))
         assert out["view"] == view, out["view"]
         assert out["changes"] == [view], out["changes"]
-        assert out["world_size"] == (3, new_rank, 3), out["world_size"]
+        assert out["world_size"] == (3, new_rank, 3, 3), out["world_size"]
 
 
 def _with_and_without(rank, world_size, path):

@@ -239,10 +239,6 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
         first rank, this worker's ``rank`` and ``world_size``, the ids ``lost`` last); else None."""
         return None if self._rounds.live is None else self._rounds.live.view
 
-    def _changed(self, topology: Topology, group: Any) -> None:
-        """After live membership rebuilt the group: the new topology and cross-check group."""
-        self.topology, self._where = topology, (group, self._where[1])
-
     @property
     def bytes_sent(self) -> int:
         """Payload bytes this worker sent in gossip rounds since the optimizer was built (an

@@ -157,12 +157,8 @@ class Live:
     ) -> None:
         self._owner = weakref.ref(owner)  # the optimizer holds this object
         self.membership, self.on_change = membership, on_change
-        self.topology, self.width, self.timeout, self.slot = (
-            topology,
-            local_world_size,
-            timeout,
-            slot,
-        )
+        self.topology, self.width = topology, local_world_size
+        self.timeout, self.slot = timeout, slot
         self.resume = 0  # rounds below this are not launched (a survivor catching up)
 
     @property
@@ -210,7 +206,7 @@ class Live:
         )
         rounds.gossip, self.resume = new.gossip, new.resume
         owner = self._owner()
-        if owner is not None:
-            owner._changed(new.gossip.topology, new.group)
+        if owner is not None:  # its topology, and the group of load_state_dict's cross-check
+            owner.topology, owner._where = new.gossip.topology, (new.group, owner._where[1])
         if self.on_change is not None:
             self.on_change(new.view)
