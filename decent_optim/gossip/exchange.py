@@ -61,6 +61,9 @@ class Link:
         #: payload bytes this rank sent in rounds since construction (not the sums of step
         #: counts); an all-reduce counts what a ring all-reduce sends, :meth:`count_allreduce`
         self.bytes_sent = 0
+        #: runs a handle's wait while watching for a change of membership (live membership's
+        #: :meth:`~decent_optim.gossip.membership.Membership.watch`); None waits directly
+        self.watch: Callable[[Callable[[], None]], None] | None = None
 
     def count_allreduce(self, tensor: Tensor, size: int) -> None:
         """Count an all-reduce of ``tensor`` over ``size`` ranks as a ring sends it:
@@ -129,6 +132,7 @@ class Link:
             on_close=release,
             hint=self.hint,
             phases=phases,
+            watch=self.watch,
         )
 
 

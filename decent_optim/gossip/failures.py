@@ -20,6 +20,11 @@ __all__ = ["PEER_GONE_HINT", "GossipError", "connection_closed", "explain", "tim
 class GossipError(RuntimeError):
     """A gossip round could not complete: a peer died, stopped stepping, or timed out."""
 
+    #: the group ranks the failure points at: the peer whose connection closed, or the peers a
+    #: timed-out wait was still waiting for; empty when it cannot tell (live membership's
+    #: suspects, :meth:`~decent_optim.gossip.membership.Membership.rebuild`)
+    peers: tuple[int, ...] = ()
+
 
 #: what the transports say when the other end of a connection went away: gloo's "Connection
 #: closed by peer" (an orderly close, e.g. the process exited), "Connection reset by peer" (the

@@ -224,10 +224,12 @@ class Gossiper:
                 | set(self.topology.out_peers(self.rank, step))
             )
             why = "a peer has probably died" if self.hint is None else self.hint
-            raise GossipError(
+            error = GossipError(
                 f"[rank {self.rank}] gossip round {step}: launching it failed, with peer(s) "
                 f"{peers}; {why}. Cause: {err}"
-            ) from err
+            )
+            error.peers = tuple(peers) if len(peers) == 1 else ()  # else: which one is unknown
+            raise error from err
 
     @property
     def bytes_sent(self) -> int:
@@ -243,6 +245,16 @@ class Gossiper:
     @hint.setter
     def hint(self, text: str | None) -> None:
         self._link.hint = text
+
+    @property
+    def watch(self) -> Callable[[Callable[[], None]], None] | None:
+        """What runs the rounds' waits while watching for a change of membership (live
+        membership's :meth:`~decent_optim.gossip.membership.Membership.watch`); None: no one."""
+        return self._link.watch
+
+    @watch.setter
+    def watch(self, watch: Callable[[Callable[[], None]], None] | None) -> None:
+        self._link.watch = watch
 
     def average_(self, tensors: Sequence[Tensor], what: str = "the global average") -> None:
         """In place, synchronously: every tensor becomes its mean over the group's ranks

@@ -14,7 +14,12 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from decent_optim.gossip.failures import PEER_GONE_HINT, GossipError, explain
+from decent_optim.gossip.failures import (
+    PEER_GONE_HINT,
+    GossipError,
+    connection_closed,
+    explain,
+)
 
 __all__ = ["DONE", "NO_MIX", "GossipHandle", "PendingMix"]
 
@@ -82,6 +87,7 @@ class GossipHandle:
         hint: str | None = None,
         late: Callable[[], list[int]] | None = None,
         phases: Sequence[Callable[[], list[tuple[Any, int | None]]]] = (),
+        watch: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self._works = works  # (work, peer it talks to, or None for a group collective)
         self._phases = list(phases)
@@ -94,6 +100,9 @@ class GossipHandle:
         # ``late`` can: see gossip.arrival), and what usually causes a failure there
         self.what = what if what is not None else f"gossip round {round}"
         self._group_peers, self._hint, self._late = list(group_peers), hint, late
+        # runs the wait while watching for a change of membership (live membership's
+        # Membership.watch), which ends it early; None waits here
+        self._watch = watch
 
     @property
     def is_noop(self) -> bool:
@@ -115,8 +124,17 @@ class GossipHandle:
         Raises :class:`GossipError` naming the round (or check), the peers and the seconds waited:
         on a timeout, and on any transport error; a closed connection (a dead peer's "Connection
         closed by peer" or "Connection reset by peer") is reported as the peer being gone, not
-        as a timeout.
+        as a timeout. With ``watch`` (live membership), a change another member started ends
+        the wait with :class:`~decent_optim.gossip.membership.MembershipChanged`.
         """
+        if not self._works and not self._phases:
+            return  # waited for already (or nothing to wait for): no helper thread to start
+        if self._watch is None:
+            self._wait_phases()
+        else:
+            self._watch(self._wait_phases)
+
+    def _wait_phases(self) -> None:
         try:
             self._wait_works()
             while self._phases:
@@ -157,7 +175,10 @@ class GossipHandle:
                     late=self._late,
                     hint=self._hint,
                 )
-                raise GossipError(message) from err
+                error = GossipError(message)
+                closed = connection_closed(err) and failed is not None
+                error.peers = (failed,) if closed and failed is not None else tuple(waiting)
+                raise error from err
 
     def mix_(self) -> None:
         """Overwrite the buffers with the weighted mix (once; after :meth:`wait`)."""

@@ -35,7 +35,7 @@ import datetime
 import gc
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch.distributed as dist
@@ -119,27 +119,43 @@ class Membership:
     def wait(self, works: Iterable[dist.Work], timeout: float | None = None) -> None:
         """``work.wait()`` for each of ``works``, ended early by a change another member started.
 
-        gloo's point-to-point ``Work.is_completed()`` stays False and a timed-out wait closes
-        the connection, so the works are waited for in a helper thread while this one watches
-        the store.
-
         Raises:
             MembershipChanged: a member has started to agree on a change (rebuild, then redo).
             RuntimeError: the transport's error of a failed or timed-out work (its peer is a
                 suspect).
         """
-        todo, outcome, done = list(works), [], threading.Event()
+        todo = list(works)
         limit = None if timeout is None else datetime.timedelta(seconds=timeout)
 
         def run() -> None:
+            for work in todo:
+                work.wait() if limit is None else work.wait(limit)
+
+        self.watch(run)
+
+    def watch(self, wait: Callable[[], None]) -> None:
+        """Run ``wait`` (a function that waits for transfers) and return or raise what it does,
+        unless a member starts a change first: then raise :class:`MembershipChanged`.
+
+        gloo's point-to-point ``Work.is_completed()`` stays False and a timed-out wait closes
+        the connection, so ``wait`` runs in a helper thread while this one watches the store
+        (checks spaced from 0.1 ms up to ``poll``: a quick exchange is not slowed down). After
+        a change the helper is left to end with its transfers' error or timeout; it is not a
+        daemon, because a gloo wait still running when the interpreter exits aborts the
+        process ("terminate called without an active exception"): a process that ends right
+        after a change waits for it, at most the transfers' timeout.
+        """
+        outcome: list[BaseException] = []
+        done = threading.Event()
+
+        def run() -> None:
             try:
-                for work in todo:
-                    work.wait() if limit is None else work.wait(limit)
+                wait()
             except BaseException as exc:  # handed to the caller below
                 outcome.append(exc)
             done.set()
 
-        threading.Thread(target=run, name="decent_optim-membership-wait", daemon=True).start()
+        threading.Thread(target=run, name="decent_optim-membership-wait", daemon=False).start()
         pause = 1e-4
         while not done.wait(pause):
             if self.pending():
@@ -147,7 +163,7 @@ class Membership:
                     f"[id {self.me}] another member started a change of membership "
                     f"(generation {self.view.generation}): call rebuild()"
                 )
-            pause = min(2 * pause, self.poll)  # a quick exchange is not slowed down
+            pause = min(2 * pause, self.poll)
         if outcome:
             raise outcome[0]
 

@@ -212,7 +212,8 @@ class AcrossNodes(Exchange):
     def _wait(self, works: list[tuple[Any, int | None]], step: int) -> None:
         """Complete the exchanges of a step of the round (raises GossipError after the timeout)."""
         link = self.link
-        GossipHandle(works, None, round=step, rank=link.rank, timeout=link.timeout).wait()
+        timeout, watch = link.timeout, link.watch
+        GossipHandle(works, None, round=step, rank=link.rank, timeout=timeout, watch=watch).wait()
 
 
 class NodeAverage(AcrossNodes):

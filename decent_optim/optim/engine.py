@@ -23,6 +23,7 @@ from decent_optim._validation import (
 )
 from decent_optim.optim import (
     frameworks,
+    live,
     schedules,
     stepping,
 )
@@ -41,6 +42,8 @@ from decent_optim.topologies import Topology
 
 if TYPE_CHECKING:
     from decent_optim.gossip.codec_base import Codec
+    from decent_optim.gossip.membership import Membership as LiveMembership
+    from decent_optim.gossip.membership import View
 
 __all__ = ["DecentralizedOptimizer"]
 
@@ -126,6 +129,11 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
             ``for step in range(N)`` is refused at its first step); see :doc:`/uneven_hardware`. With
             ``outer=LocalOuterSGD(...)`` every rank takes the outer step at the same round, the
             first whose DDP-equivalent progress crosses a multiple of ``every``.
+        membership: a :class:`~decent_optim.gossip.membership.Membership` (live membership):
+            when a worker dies, the others' :meth:`step` returns and they train on in a
+            rebuilt group; see :mod:`decent_optim.optim.live` for what is kept and supported.
+        on_membership_change: with ``membership``, called as ``fn(view)`` after each change
+            (a :class:`~decent_optim.gossip.membership.View`), e.g. to reshard the data.
     """
 
     #: the algorithm: its state, its update
@@ -162,6 +170,8 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
         local_steps: int = 1,
         outer: OuterSGD | LocalOuterSGD | str | None = None,
         uneven: bool | schedules.Uneven = False,
+        membership: LiveMembership | None = None,
+        on_membership_change: Callable[[View], object] | None = None,
     ) -> None:
         failure = None
         period = schedules.EVERY_STEP
@@ -175,6 +185,9 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
             wait_limit = check_timeout(timeout)
             check_global_avg_every(global_avg_every)
             period = schedules.check(local_steps, outer, global_avg_every, uneven)
+            live.check(
+                membership, on_membership_change, topology, process_group, compression, period
+            )
             flags = dict(maximize=maximize, foreach=foreach, fused=fused)
             flags.update(capturable=False, differentiable=False)
             hyper = defaults() if callable(defaults) else defaults
@@ -201,6 +214,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
         self._where = (start.group, start.device)  # of load_state_dict's cross-check
         self._flat, self._frozen, self._stash = start.flat, start.frozen, start.stash
         self._rounds = schedules.make_rounds(start.gossip, start.flat, global_avg_every, period)
+        self._rounds.live = live.attach(self, start, membership, on_membership_change, topology)
         self._flat_state = FlatState(start.flat.buckets, self.rule)
         self.state = self._flat_state.wrap(self.state)
         self._flat_state.prefill(self.state, self.param_groups)  # sharded only: see there
@@ -218,6 +232,12 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
     def world_size(self) -> int:
         """Number of workers gossiping (1 without a process group)."""
         return self._rounds.gossip.world_size
+
+    @property
+    def membership(self) -> View | None:
+        """With ``membership=``: the current group's view (``generation``, ``members`` by their
+        first rank, this worker's ``rank`` and ``world_size``, the ids ``lost`` last); else None."""
+        return None if self._rounds.live is None else self._rounds.live.view
 
     @property
     def bytes_sent(self) -> int:

@@ -42,6 +42,8 @@ class Options(TypedDict, total=False):
     compression: str | Codec | None
     local_steps: int
     outer: Any
+    membership: Any
+    on_membership_change: Any
 
 
 def with_defaults(

@@ -18,10 +18,15 @@ written) and then takes ``t``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper, PendingMix
+
+if TYPE_CHECKING:
+    from decent_optim.optim.live import Live
 
 __all__ = ["Rounds"]
 
@@ -50,6 +55,7 @@ class Rounds:
         self._versions: list[int] | None = None  # of the parameters when _pending was launched
         self.held_by: str | None = None  # a block that will restore the buffers (averaged())
         self.budget: float | None = None  # of stop_at, in DDP-equivalent steps
+        self.live: Live | None = None  # live membership (optim.live): survives a lost rank
 
     @property
     def progress(self) -> float:
@@ -79,14 +85,28 @@ class Rounds:
         """Wait for the round in flight; returns per bucket what is left of its mix (or None)."""
         self.check_free("step()")
         handle = self._take()
-        return handle.wait_and_mix_deferred_() if handle is not None else None
+        if handle is None or not self._arrived(handle, self.count + 1):
+            return None
+        return handle.wait_and_mix_deferred_()
 
     def launch(self) -> None:
         """Count a completed step and launch the round of its values."""
         self.count += 1
+        self._launch_round()
+        self.record_versions()
+
+    def _launch_round(self) -> None:
+        """Launch round :attr:`count` (through live membership, which may skip it or rebuild)."""
+        if self.live is not None:
+            self.live.send(self)
+            return
         self._pending = self._start()
         self._sent = self.gossip.world_size > 1  # a world of one has no rounds to resend
-        self.record_versions()
+
+    def _arrived(self, handle: GossipHandle, after: int) -> bool:
+        """Whether ``handle``'s round arrived: always, but with live membership a round that
+        failed is dropped and the group rebuilt (``after``: the count at this step's end)."""
+        return self.live is None or self.live.arrived(self, handle, after)
 
     def synchronize(self) -> None:
         """Wait for the round in flight and mix it completely into the buffers."""

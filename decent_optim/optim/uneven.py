@@ -268,7 +268,7 @@ class UnevenRounds(LocalRounds):
             waiter.thread.join()
             if waiter.error is not None:
                 raise waiter.error
-        self._mix_in()
+        self._mix_in(self.count)  # uneven=True has no live membership
         self._out = False
         self.mixed += 1
         if self._sum is not None:

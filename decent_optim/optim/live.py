@@ -1,0 +1,212 @@
+r"""Live membership: when a worker dies, the others' ``step()`` returns and they train on.
+
+Pass ``membership=Membership(store, timeout=...)``
+(:class:`decent_optim.gossip.membership.Membership`, built right after ``init_process_group``
+on a store that outlives every worker) to an optimizer. When a round fails in ``step()`` -- a
+neighbour's connection closed, a neighbour timed out, or another member started a change --
+the step does not raise. Instead this rank
+
+1. drops the round that failed: its parameters stay its own values (nothing of that round is
+   mixed in), the step's local update is applied to them as usual;
+2. agrees with the other survivors on who is left, and rebuilds the default process group
+   among them (ranks ``0..n-1`` in the order of their old ranks;
+   :meth:`Membership.rebuild <decent_optim.gossip.membership.Membership.rebuild>`);
+3. builds the topology of the same name for the new size (:func:`topology_for`) and gossips
+   on the new group from the next round on;
+4. tells the callback ``on_membership_change(view)``, if given, so that the training loop can
+   reshard its data; :attr:`~decent_optim.DecentralizedOptimizer.membership` holds the view.
+
+The survivors notice the loss at different steps (a rank two hops away one round later), so
+their step counts at the change differ by a step or two (a period or two with
+``local_steps``). Gossip resumes at the largest, :math:`R`: a survivor whose count is lower
+takes its steps up to :math:`R` without gossip (they are its own steps, kept), then every
+survivor launches round :math:`R` and the rounds are step-locked again. With
+``local_steps=H`` the same holds for periods (the counts are multiples of :math:`H`; the failed
+period's round is dropped, the anchors restart from the parameters).
+
+What becomes of the progress: each survivor continues from its own current parameters, so the
+mean over the survivors is the new consensus, and gossip preserves it from then on. The lost
+worker's own steps are gone, except what its neighbours mixed in from its rounds that completed
+before it died; the round in flight at the failure is dropped on every survivor. Nobody
+restarts, and no step is lost, but the survivors' data must be resharded by the loop if the
+lost worker's share matters.
+
+Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H`` without
+``outer`` -- with exact gossip (no ``compression``), over the default process group, a topology
+given by name, and one decentralized optimizer per process. Everything else is refused when the
+optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
+``consensus_distance()``, checkpoints) still raise a ``GossipError`` when a member is lost.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from decent_optim import topologies
+from decent_optim.gossip import Gossiper, GossipError, GossipHandle
+from decent_optim.gossip.live import regroup
+from decent_optim.gossip.membership import Membership, View
+from decent_optim.topologies import Topology
+
+if TYPE_CHECKING:
+    import datetime
+
+    from decent_optim.optim.rounds import Rounds
+    from decent_optim.optim.schedules import Schedule
+    from decent_optim.optim.startup import Connected
+
+__all__ = ["Live", "attach", "check", "topology_for"]
+
+#: the step-locked settings live membership supports, for the refusals' messages
+SUPPORTED = (
+    "membership= supports the step-locked schedules (local_steps=1, or local_steps=H with "
+    "outer=None) with compression=None, over the default process group (process_group=None) "
+    "and a topology given by name"
+)
+
+
+def check(
+    membership: object,
+    on_change: object,
+    topology: object,
+    process_group: object,
+    compression: object,
+    schedule: Schedule,
+) -> None:
+    """Refuse a ``membership=`` setting live membership does not support, saying what is."""
+    if membership is None:
+        if on_change is not None:
+            raise ValueError("on_membership_change= needs membership=Membership(store, ...)")
+        return
+    if not isinstance(membership, Membership):
+        raise TypeError(
+            "membership= takes a decent_optim.gossip.membership.Membership(store, timeout=...), "
+            f"got {type(membership).__name__}"
+        )
+    if on_change is not None and not callable(on_change):
+        raise TypeError(f"on_membership_change= must be callable, got {on_change!r}")
+    refused = []
+    if compression is not None:
+        refused.append(f"compression={compression!r}")
+    if schedule.uneven is not None:
+        refused.append("uneven=True")
+    if schedule.outer is not None:
+        refused.append(f"outer={schedule.outer!r}")
+    if process_group is not None:
+        refused.append("process_group= (the survivors rebuild the default group)")
+    if not isinstance(topology, str):
+        refused.append(f"topology={topology!r} (it is built for one size; pass its name)")
+    if refused:
+        raise ValueError(f"{SUPPORTED}; not {', '.join(refused)}")
+
+
+def topology_for(name: str, view: View, local_world_size: int) -> Topology:
+    """The topology ``name`` for the survivors of ``view``.
+
+    ``local_world_size`` is kept while the members are whole nodes of the first group (every
+    member's node-mates are members: the new ranks then still fill nodes in order); otherwise
+    every worker counts as a node of its own (exchanges stay exact; only the by-node saving on
+    slow links is lost). A topology that does not fit the new size (``one-peer-exp`` on 3
+    workers) falls back to ``"ring"``, with a warning.
+    """
+    n, width, members = view.world_size, local_world_size, set(view.members)
+    if any(m - m % width + k not in members for m in members for k in range(width)):
+        width = 1
+    try:
+        return topologies.get(name, n, width)
+    except ValueError as err:
+        warnings.warn(
+            f"live membership: topology {name!r} does not fit the {n} survivors ({err}); "
+            'they gossip with topology="ring" instead',
+            UserWarning,
+            stacklevel=2,
+        )
+        return topologies.get("ring", n, width)
+
+
+def attach(
+    owner: Any,
+    start: Connected,
+    membership: Membership | None,
+    on_change: Callable[[View], object] | None,
+    topology: object,
+) -> Live | None:
+    """The live membership of the optimizer ``owner`` just started (``start``), if it has one."""
+    if membership is None or not isinstance(start.gossip, Gossiper):
+        return None  # a world of one has nobody to lose
+    start.gossip.watch = membership.watch
+    width, timeout = start.topology.local_world_size, start.gossip.timeout
+    return Live(owner, membership, on_change, str(topology), width, timeout, start.member.slot)
+
+
+class Live:
+    """The live membership of one optimizer (``owner``), hooked into its rounds."""
+
+    def __init__(
+        self,
+        owner: Any,
+        membership: Membership,
+        on_change: Callable[[View], object] | None,
+        topology: str,
+        local_world_size: int,
+        timeout: datetime.timedelta | None,
+        slot: int,
+    ) -> None:
+        self._owner = weakref.ref(owner)  # the optimizer holds this object
+        self.membership, self.on_change = membership, on_change
+        self.topology, self.width = topology, local_world_size
+        self.timeout, self.slot = timeout, slot
+        self.resume = 0  # rounds below this are not launched (a survivor catching up)
+
+    @property
+    def view(self) -> View:
+        """The current group: generation, members (ids), this rank, the ids lost last."""
+        return self.membership.view
+
+    def arrived(self, rounds: Rounds, handle: GossipHandle, after: int) -> bool:
+        """Wait for ``handle``'s round; on a failure drop it, rebuild, and return False."""
+        try:
+            handle.wait()
+            return True
+        except GossipError as err:
+            peers = err.peers
+        self.recover(rounds, peers, after)
+        return False
+
+    def send(self, rounds: Rounds) -> None:
+        """Launch round ``rounds.count``, unless this rank is catching up after a change."""
+        rounds._pending, rounds._sent = None, False
+        if rounds.count < self.resume:
+            return
+        try:
+            pending = rounds._start()
+        except GossipError as err:
+            peers = err.peers
+        else:
+            rounds._pending, rounds._sent = pending, rounds.gossip.world_size > 1
+            return
+        self.recover(rounds, peers, rounds.count)
+        self.send(rounds)
+
+    def recover(self, rounds: Rounds, suspects: tuple[int, ...], after: int) -> None:
+        """Steps 2-4 of the module docstring (``after``: this rank's count at the step's end)."""
+        rounds._pending, rounds._sent, rounds._versions = None, False, None
+        if isinstance(rounds.gossip, Gossiper):
+            rounds.gossip.watch = None  # of the old group, which is about to go
+        new = regroup(
+            self.membership,
+            suspects,
+            after,
+            lambda view: topology_for(self.topology, view, self.width),
+            timeout=self.timeout,
+            slot=self.slot,
+        )
+        rounds.gossip, self.resume = new.gossip, new.resume
+        owner = self._owner()
+        if owner is not None:  # its topology, and the group of load_state_dict's cross-check
+            owner.topology, owner._where = new.gossip.topology, (new.group, owner._where[1])
+        if self.on_change is not None:
+            self.on_change(new.view)

@@ -1,0 +1,139 @@
+"""Lose a worker and keep training, without a restart: live membership (docs/surviving_failures).
+
+    LIVE_KILL=2:30 python examples/live_membership.py --workers 4      # rank 2 dies before step 30
+
+The survivors' ``step()`` returns: they agree on who is left through a store that outlives every
+worker, rebuild their process group in-process, and go on gossiping on the ring of 3. Each
+survivor prints the seconds from the kill to the step in which it rebuilt, and its loss.
+
+**Where the store lives.** It must outlive any worker, so no worker can host it (rank 0's
+store dies with rank 0). Here the launching process hosts it (``--workers N``: a ``TCPStore``
+in this process, which starts N workers and trains nothing), as torchrun's agent hosts its
+store. Or start it on its own, on a machine that does not train, and point the workers at it::
+
+    python examples/live_membership.py --serve-store 29555 &
+    RANK=0 WORLD_SIZE=4 python examples/live_membership.py --store HOST:29555 &   # one per worker
+
+**Not under torchrun.** torchrun's agent stops *every* worker of its node when one of them
+exits (and restarts them with ``--max-restarts``): under ``torchrun --nproc-per-node 4`` (with
+``--store`` pointing at a ``--serve-store`` process) the agent sent SIGTERM to the three
+survivors 0.1 s after the kill. Live membership needs a launcher that leaves the survivors
+alone, as this script's ``--workers`` does.
+
+``LIVE_KILL=RANK:STEP``: that rank SIGKILLs itself before that step (the fault is injected).
+"""
+
+import argparse
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from decent_optim import DecentralizedAdamW
+from decent_optim.gossip.membership import Membership, View
+
+
+def serve(port: int) -> dist.TCPStore:
+    """A store on this machine that lives as long as this process (port 0: any free one)."""
+    return dist.TCPStore(
+        "0.0.0.0", port, is_master=True, wait_for_workers=False, use_libuv=True,
+        timeout=datetime.timedelta(seconds=300),
+    )  # fmt: skip
+
+
+def launch(workers: int, argv: list[str]) -> int:
+    """Host the store and start ``workers`` workers; wait for them, never stop a survivor."""
+    store = serve(0)
+    procs = []
+    for rank in range(workers):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(workers))
+        command = [sys.executable, __file__, "--store", f"127.0.0.1:{store.port}", *argv]
+        procs.append(subprocess.Popen(command, env=env))
+    codes = [p.wait() for p in procs]
+    print(f"exit codes by rank: {codes}", flush=True)
+    return 0 if all(c in (0, -signal.SIGKILL) for c in codes) else 1
+
+
+def batch(member: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker ``member``'s data at ``step``: a fixed linear teacher plus noise."""
+    teacher = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 8, generator=teacher)
+    gen = torch.Generator().manual_seed(1_000_003 * member + step)
+    x = torch.randn(64, 32, generator=gen)
+    return x, torch.tanh(x @ w) + 0.1 * torch.randn(64, 8, generator=gen)
+
+
+def train(store_address: str, steps: int, timeout: float) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = store_address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True)
+    # the first group rendezvouses on a prefix of its own; Membership uses another
+    dist.init_process_group("gloo", store=dist.PrefixStore("init", store), rank=rank,
+                            world_size=world)  # fmt: skip
+    live = Membership(store, prefix="example/live", timeout=timeout)
+    victim, kill_at = (int(v) for v in os.environ.get("LIVE_KILL", "-1:-1").split(":"))
+
+    def on_change(view: View) -> None:
+        # a training loop would reshard its data here: rank view.rank of view.world_size
+        print(f"[id {rank}] now rank {view.rank} of {view.world_size} (generation "
+              f"{view.generation}, lost ids {list(view.lost)})", flush=True)  # fmt: skip
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)
+    )  # fmt: skip
+    opt = DecentralizedAdamW(
+        model.parameters(), lr=3e-3, topology="ring", timeout=4 * timeout,
+        membership=live, on_membership_change=on_change,
+    )  # fmt: skip
+    for step in range(steps):
+        if rank == victim and step == kill_at:
+            store.set("example/killed_at", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(rank, step)  # by id: a survivor keeps its own data stream
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        generation = opt.membership.generation
+        opt.step()
+        opt.zero_grad()
+        if opt.membership.generation != generation:
+            killed = float(store.get("example/killed_at").decode())
+            print(f"[id {rank}] step {step} completed {time.time() - killed:.2f} s after the "
+                  "kill, in the rebuilt group", flush=True)  # fmt: skip
+    print(f"[id {rank}] done: {steps} steps, last loss {loss.item():.4f}, "
+          f"world size {opt.world_size}", flush=True)  # fmt: skip
+    opt.synchronize()  # the last round, before its group goes
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, help="start this many workers and host the store")
+    parser.add_argument("--serve-store", type=int, metavar="PORT", help="only host the store")
+    parser.add_argument("--store", help="HOST:PORT of the store (a worker)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--timeout", type=float, default=5.0, help="membership's, in seconds")
+    args, rest = parser.parse_known_args()
+    if args.serve_store is not None:
+        store = serve(args.serve_store)  # served while this object lives
+        print(f"store on port {store.port}; Ctrl-C ends it", flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+        return 0
+    if args.workers:
+        return launch(args.workers, ["--steps", str(args.steps), "--timeout", str(args.timeout)])
+    if not args.store:
+        parser.error("pass --workers N, or --store HOST:PORT with RANK and WORLD_SIZE set")
+    train(args.store, args.steps, args.timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
