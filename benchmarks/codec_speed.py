@@ -28,8 +28,9 @@ CODECS = [
 ]  # fmt: skip
 
 
-def _clock(device: torch.device, fn, iters: int, warmup: int) -> float:
-    """Median milliseconds of ``fn()`` on ``device``."""
+def median_ms(device: torch.device, fn, iters: int, warmup: int) -> float:
+    """Median milliseconds of ``fn()`` on ``device`` after ``warmup`` calls (CUDA events on a
+    GPU, so that the host's launch queue does not count)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -78,8 +79,8 @@ def measure(name: str, device: torch.device, numel: int, iters: int, warmup: int
         "device": device.type,
         "numel": numel,
         "bytes_per_element": codec.nbytes(numel) / numel,
-        "encode_ms": _clock(device, encode, iters, warmup),
-        "decode_ms": _clock(device, decode, iters, warmup),
+        "encode_ms": median_ms(device, encode, iters, warmup),
+        "decode_ms": median_ms(device, decode, iters, warmup),
     }
     if device.type != "cpu" and check > 0:
         n = max(codecs.CHUNK, min(check, numel) // codecs.CHUNK * codecs.CHUNK)

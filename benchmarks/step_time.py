@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from codec_speed import median_ms  # noqa: E402
 
 #: name: (d_model, layers, heads, context, vocab)
 SHAPES = {
@@ -64,22 +67,7 @@ def measure(shape: str, batch: int, device: torch.device, iters: int, warmup: in
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
+    step_s = median_ms(device, step, iters, warmup) / 1e3
     copy_bits = 32 * numel
     return {
         "shape": shape,

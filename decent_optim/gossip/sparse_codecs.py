@@ -252,34 +252,37 @@ class Quantized(Chunked):
         super().__init__(Spec("all", 100.0, bits), chunk, gamma)
 
 
-class RandomK(Chunked):
+class _Kept(Chunked):
+    """A codec that keeps ``percent`` % of each chunk, chosen as :attr:`keep` says, in ``bits``
+    (8, 4, 2) or as float32 values (``bits=None``). ``gamma``: the consensus step, instead of
+    the codec's own (:attr:`Chunked.gamma`)."""
+
+    keep: str
+
+    def __init__(
+        self,
+        percent: float,
+        bits: int | None = None,
+        chunk: int = CHUNK,
+        gamma: float | None = None,
+    ) -> None:
+        super().__init__(_spec(self.keep, percent, bits), chunk, gamma)
+
+
+class RandomK(_Kept):
     """``percent`` % of each chunk at random positions from a shared seed: ``"rand<p>%"``, with
     ``bits`` (8, 4, 2) ``"rand<p>%+int<bits>"``; ``bits=None`` sends float32 values. ``gamma``:
     the consensus step, instead of the codec's own (:attr:`Chunked.gamma`)."""
 
-    def __init__(
-        self,
-        percent: float,
-        bits: int | None = None,
-        chunk: int = CHUNK,
-        gamma: float | None = None,
-    ) -> None:
-        super().__init__(_spec("rand", percent, bits), chunk, gamma)
+    keep = "rand"
 
 
-class TopK(Chunked):
+class TopK(_Kept):
     """The ``percent`` % largest magnitudes of each chunk, with their positions: ``"top<p>%"``,
     with ``bits`` (8, 4, 2) ``"top<p>%+int<bits>"``; ``bits=None`` sends float32 values.
     ``gamma``: the consensus step, instead of the codec's own (:attr:`Chunked.gamma`)."""
 
-    def __init__(
-        self,
-        percent: float,
-        bits: int | None = None,
-        chunk: int = CHUNK,
-        gamma: float | None = None,
-    ) -> None:
-        super().__init__(_spec("top", percent, bits), chunk, gamma)
+    keep = "top"
 
 
 def _spec(keep: str, percent: float, bits: int | None) -> Spec:
