@@ -18,7 +18,8 @@ from reference import CompressedMixing, Segment, quantized, simulate
 import decent_optim as dopt
 from decent_optim.gossip import codecs
 from decent_optim.gossip.codecs import CHUNK, Bf16, Int8
-from decent_optim.gossip.compressed import GAMMA, mix_shard_
+from decent_optim.gossip.compressed import GAMMA
+from decent_optim.gossip.copies import mix_shard_
 from decent_optim.gossip.nodes import Parts
 from decent_optim.topologies import CustomTopology
 from decent_optim.topologies import get as get_topology
