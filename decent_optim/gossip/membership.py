@@ -88,7 +88,9 @@ class Membership:
     Built on every rank right after ``init_process_group`` (no communication). ``store`` must
     outlive any worker and be the same for every rank; ``prefix`` must be new to it (one per
     job). ``timeout`` (seconds) bounds each wait of an agreement and the new group's: set it
-    to the optimizer's; it becomes the store's timeout too.
+    to the optimizer's; it becomes the store's timeout too. ``join=True``: built instead in a
+    process outside the group, which joins it at its first :meth:`rebuild` (the members'
+    ``backend``; the store and prefix of the job).
     """
 
     def __init__(
@@ -232,25 +234,25 @@ class Membership:
     def _join(self) -> View:
         """A newcomer's first rebuild: ask to join the current generation, wait for the members'
         decision, connect with them (the next generation if the decision came without it)."""
-        store = self.store
-        store.set_timeout(datetime.timedelta(seconds=3 * self.timeout))  # the job may start later
+        store, wait = self.store, 3 * self.timeout  # a round, then an agreement of 2 timeouts
+        if not store.check([f"{self.prefix}/world"]):
+            raise MembershipError(
+                f"no job runs with prefix={self.prefix!r} on this store (no member has built its "
+                "Membership yet): start the newcomer once the members train, with their store"
+            )
         world = int(store.get(f"{self.prefix}/world").decode())
-        store.set_timeout(datetime.timedelta(seconds=self.timeout))
         self.me = world + store.add(f"{self.prefix}/joined", 1) - 1
         key = f"{self.prefix}/generation"
         g = int(store.get(key).decode()) if store.check([key]) else 0
         for _ in range(64):
             store.set(self._key(g, f"join/{self.me}"), "")
             store.add(self._key(g, "change"), 1)
-            # the members notice within a round, then agree within 2 timeouts
-            deadline = time.monotonic() + 3 * self.timeout
-            decision = self._key(g, "decision")
+            deadline, decision = time.monotonic() + wait, self._key(g, "decision")
             while not store.check([decision]):
                 if time.monotonic() >= deadline:
                     raise MembershipError(
-                        f"[id {self.me}] no member answered the request to join generation {g} "
-                        f"within {3 * self.timeout:g} s: is the job running, with the same store "
-                        f"and prefix={self.prefix!r}?"
+                        f"[id {self.me}] no member answered the request to join generation "
+                        f"{g} within {wait:g} s: do the members still train?"
                     )
                 time.sleep(self.poll)
             decided = tuple(sorted(_ids(store.get(decision).decode())))
