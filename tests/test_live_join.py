@@ -90,7 +90,15 @@ def _member(rank, world_size, path, local_steps, kill=None):
             store.wait(["live/g0/change"], WAIT)  # the newcomer asked: noticed at the next round
     out["final"], out["view"] = _flat(params), tuple(opt.membership)
     out["changes"] = [tuple(v) for v in changes]
+    _consensus(opt, params, out)
     return out
+
+
+def _consensus(opt, params, out):
+    """The optimizer's collectives on the group as it is now (after the changes)."""
+    out["distance"] = opt.consensus_distance()
+    with opt.averaged():
+        out["averaged"] = _flat(params)
 
 
 def _newcomer(path, local_steps, width=2):
@@ -123,7 +131,17 @@ def _newcomer(path, local_steps, width=2):
         opt.zero_grad()
     out["final"], out["view"] = _flat(params), tuple(opt.membership)
     out["sizes"] = (opt.world_size, opt.rank, opt.topology.world_size)
+    _consensus(opt, params, out)
     return out
+
+
+def _check_consensus(outs):
+    """``averaged()`` and ``consensus_distance()`` over the current members: their mean."""
+    mean = torch.stack([out["final"] for out in outs]).mean(0)
+    for out in outs:
+        torch.testing.assert_close(out["averaged"], mean, rtol=0, atol=1e-12)
+        want = float(torch.linalg.vector_norm(out["final"] - mean))
+        assert abs(out["distance"] - want) <= 1e-9 * (1 + want), (out["distance"], want)
 
 
 def _run(path, local_steps, kill=None, width=2):
@@ -208,6 +226,7 @@ def _check(members, newcomer, local_steps):
     # the newcomer was mixed with: a run where it trains alone ends elsewhere
     alone = _simulate([joined], [3], local_steps)[0]
     assert not torch.allclose(alone, newcomer["final"], atol=1e-6)
+    _check_consensus([*members, newcomer])
 
 
 @pytest.mark.multiprocess
@@ -231,6 +250,7 @@ def test_a_join_then_a_kill(tmp_path):
     assert newcomer["sizes"] == (3, 2, 3)
     for out in (members[0], members[2], newcomer):
         assert torch.isfinite(out["final"]).all()
+    _check_consensus([members[0], members[2], newcomer])
 
 
 @pytest.mark.multiprocess
@@ -242,6 +262,7 @@ def test_a_newcomer_with_another_model_is_refused_and_dropped(tmp_path):
     for rank, out in enumerate(members):
         assert out["view"] == (2, (0, 1, 2), rank, (3,)), out["view"]
         assert torch.isfinite(out["final"]).all()
+    _check_consensus(members)
 
 
 def _refusals(rank, world_size, path):

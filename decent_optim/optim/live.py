@@ -31,6 +31,11 @@ before it died; the round in flight at the failure is dropped on every survivor.
 restarts, and no step is lost, but the survivors' data must be resharded by the loop if the
 lost worker's share matters.
 
+A worker started while the job runs joins it with ``Membership(store, join=True)``: the members
+read the store once per round (:meth:`Membership.pending
+<decent_optim.gossip.membership.Membership.pending>`, one key), take it in by the same steps
+2-4, and new rank 0 sends it its state (:mod:`decent_optim.optim.joining`).
+
 Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H`` without
 ``outer`` -- with exact gossip (no ``compression``), over the default process group, a topology
 given by name, and one decentralized optimizer per process. Everything else is refused when the
