@@ -28,13 +28,10 @@ posting, so the new group cannot connect within the timeout) is agreed again in 
 generation, where only posting counts: the members silent for the timeout are left out.
 Every wait is bounded by a multiple of ``timeout``.
 
-Joining. A process outside the group builds ``Membership(store, join=True)``; its first
-:meth:`~Membership.rebuild` takes a new id (``{prefix}/world`` plus a counter: larger than every
-id before it, so the newcomer gets the last rank), posts ``join/{id}`` in the current generation
-(``{prefix}/generation``, which the members write after each rebuild) and bumps its ``change``.
-The members read that key once per round (:meth:`Membership.pending`), rebuild, and count every
-posted ``join/`` in their agreement; the newcomer reads the decision and connects with them. A
-newcomer that came too late for a decision tries the next generation.
+Joining: a newcomer (``join=True``) takes an id above all earlier ones (``{prefix}/world`` plus a
+counter: the last rank), posts ``join/{id}`` in the current generation (``{prefix}/generation``)
+and bumps its ``change``, which the members read once per round (:meth:`Membership.pending`);
+their agreement counts every posted ``join/``. Too late for a decision, it asks the next one.
 """
 
 from __future__ import annotations
@@ -114,8 +111,9 @@ class Membership:
                 "Membership(store, join=True) is for a process outside the running group: do not "
                 "call init_process_group (joining builds the group)"
                 if join
-                else "build Membership after dist.init_process_group, on every rank (or pass "
-                "join=True in a process that joins a running job)"
+                else "build "
+                "Membership after dist.init_process_group, on every rank (or pass join=True in "
+                "a process that joins a running job)"
             )
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
