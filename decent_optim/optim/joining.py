@@ -143,17 +143,17 @@ def hand_over(live: Live, rounds: Rounds, joiners: tuple[int, ...]) -> tuple[int
         return None
     if owner._flat_state.stale:  # values written through opt.state: into the buffers first
         owner._flat_state.rebind(owner.state, owner.param_groups)
-    mine, head = fit(owner), [rounds.count, live.slot, live.width]
+    mine, head, lost = fit(owner), [rounds.count, live.slot, live.width], []
     for rank in joiners:
         try:
             same = give(live.membership, rank, mine, head, lambda: _payload(owner), _seconds(live))
         except GossipError:  # MembershipChanged: another member started a change
             return ()
         except RuntimeError:  # the newcomer died or timed out
-            return (rank,)
+            same = False
         if not same:
-            return (rank,)
-    return None
+            lost.append(rank)
+    return tuple(lost) if lost else None
 
 
 def receive(owner: Any, resume: int) -> None:
