@@ -29,7 +29,7 @@ it its parameters and Adam state, and it trains on as rank N. It prints the seco
 process start to its first completed step in the group; the members print their slowest step
 around the join against their median step::
 
-    LIVE_JOIN=100 python examples/live_membership.py --workers 3 --steps 400 --pause 0.02
+    LIVE_JOIN=50 python examples/live_membership.py --workers 3 --steps 200
 """
 
 import argparse

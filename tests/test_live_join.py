@@ -102,6 +102,8 @@ def _consensus(opt, params, out):
     out["distance"] = opt.consensus_distance()
     with opt.averaged():
         out["averaged"] = _flat(params)
+    opt.synchronize()  # mixes the last round, launched at the end of the last step
+    out["synced"] = _flat(params)
 
 
 def _newcomer(path, local_steps, width=2, go="go"):
@@ -208,6 +210,8 @@ def _simulate(starts, members, local_steps):
 
 
 def _check(members, newcomer, local_steps):
+    from decent_optim import topologies
+
     joined, source = newcomer["joined"], members[0]["changed"]
     # (b) the newcomer holds exactly the source's (new rank 0's) state, not its own
     assert joined["count"] == source["count"] and joined["step"] == source["step"], joined
@@ -234,6 +238,11 @@ def _check(members, newcomer, local_steps):
     alone = _simulate([joined], [3], local_steps)[0]
     assert not torch.allclose(alone, newcomer["final"], atol=1e-6)
     _check_consensus([*members, newcomer])
+    # synchronize() on the new group: the round launched at the end mixed into the finals
+    w = topologies.get("ring", 4).mixing_matrix(STEPS // local_steps).double()
+    synced = w @ torch.stack(finals)
+    for rank, out in enumerate([*members, newcomer]):
+        torch.testing.assert_close(out["synced"], synced[rank], rtol=0, atol=1e-12)
 
 
 @pytest.mark.multiprocess
