@@ -263,7 +263,6 @@ class Membership:
         store, g = self.store, view.generation
         store.set(self._key(g, f"alive/{self.me}"), _text(suspected))
         world = int(store.get(f"{self.prefix}/world").decode())
-        newcomers = range(world, world + store.add(f"{self.prefix}/joined", 0))
         store.add(self._key(g, "change"), 1)
         if dist.is_initialized():
             gc.collect()  # Works kept by reference cycles (tracebacks) would keep sockets open
@@ -279,6 +278,7 @@ class Membership:
                 key = self._key(g, f"alive/{i}")
                 if store.check([key]):
                     posted[i] = _ids(store.get(key).decode())
+            newcomers = range(world, world + store.add(f"{self.prefix}/joined", 0))
             for i in newcomers:  # they posted before they asked: none is waited for
                 if i not in view.members and store.check([self._key(g, f"join/{i}")]):
                     posted[i] = set()

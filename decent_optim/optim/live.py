@@ -40,7 +40,8 @@ Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H``
 ``outer`` -- with exact gossip (no ``compression``), over the default process group, a topology
 given by name, and one decentralized optimizer per process. Everything else is refused when the
 optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
-``consensus_distance()``, checkpoints) still raise a ``GossipError`` when a member is lost.
+``consensus_distance()``, checkpoints) still raise a ``GossipError`` when a member is lost
+during them; after a change the first three run over the new group (checkpoints are untested).
 """
 
 from __future__ import annotations
