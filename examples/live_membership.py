@@ -21,6 +21,15 @@ survivors 0.1 s after the kill. Live membership needs a launcher that leaves the
 alone, as this script's ``--workers`` does.
 
 ``LIVE_KILL=RANK:STEP``: that rank SIGKILLs itself before that step (the fault is injected).
+
+**A worker joins.** ``LIVE_JOIN=STEP`` (with ``--workers``): when id 0 has taken STEP steps,
+the launcher starts one more worker (``--join``), which builds its optimizer with
+``Membership(store, join=True)``: the members let it in at their next round, new rank 0 sends
+it its parameters and Adam state, and it trains on as rank N. It prints the seconds from its
+process start to its first completed step in the group; the members print their slowest step
+around the join against their median step::
+
+    LIVE_JOIN=50 python examples/live_membership.py --workers 3 --steps 200
 """
 
 import argparse
@@ -47,13 +56,18 @@ def serve(port: int) -> dist.TCPStore:
 
 
 def launch(workers: int, argv: list[str]) -> int:
-    """Host the store and start ``workers`` workers; wait for them, never stop a survivor."""
+    """Host the store and start ``workers`` workers; wait for them, never stop a survivor.
+    With ``LIVE_JOIN``, start one more when id 0 asks (``example/join_now``)."""
     store = serve(0)
     procs = []
+    command = [sys.executable, __file__, "--store", f"127.0.0.1:{store.port}", *argv]
     for rank in range(workers):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(workers))
-        command = [sys.executable, __file__, "--store", f"127.0.0.1:{store.port}", *argv]
         procs.append(subprocess.Popen(command, env=env))
+    if "LIVE_JOIN" in os.environ:
+        store.wait(["example/join_now"], datetime.timedelta(seconds=600))
+        env = dict(os.environ, LIVE_STARTED=repr(time.time()))
+        procs.append(subprocess.Popen([*command, "--join"], env=env))
     codes = [p.wait() for p in procs]
     print(f"exit codes by rank: {codes}", flush=True)
     return 0 if all(c in (0, -signal.SIGKILL) for c in codes) else 1
@@ -68,15 +82,30 @@ def batch(member: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x @ w) + 0.1 * torch.randn(64, 8, generator=gen)
 
 
-def train(store_address: str, steps: int, timeout: float) -> None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def train(store_address: str, steps: int, timeout: float, pause: float, join: bool) -> None:
     host, port = store_address.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True)
-    # the first group rendezvouses on a prefix of its own; Membership uses another
-    dist.init_process_group("gloo", store=dist.PrefixStore("init", store), rank=rank,
-                            world_size=world)  # fmt: skip
-    live = Membership(store, prefix="example/live", timeout=timeout)
+    if join:  # a newcomer: no init_process_group, joining builds the group
+        rank = -1
+        live = Membership(store, prefix="example/live", timeout=timeout, join=True)
+        started = float(os.environ["LIVE_STARTED"])
+        print(f"[newcomer] imports done {time.time() - started:.2f} s after its process started",
+              flush=True)  # fmt: skip
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        # the first group rendezvouses on a prefix of its own; Membership uses another
+        dist.init_process_group("gloo", store=dist.PrefixStore("init", store), rank=rank,
+                                world_size=world)  # fmt: skip
+        live = Membership(store, prefix="example/live", timeout=timeout)
+        check = []
+        for _ in range(200):  # what a member pays per round to notice a join
+            begin = time.perf_counter()
+            live.pending()
+            check.append(time.perf_counter() - begin)
+        print(f"[id {rank}] the store check of a round: {1e6 * sorted(check)[100]:.0f} us "
+              "(median of 200)", flush=True)  # fmt: skip
     victim, kill_at = (int(v) for v in os.environ.get("LIVE_KILL", "-1:-1").split(":"))
+    join_at = int(os.environ.get("LIVE_JOIN", "-1"))
 
     def on_change(view: View) -> None:
         # a training loop would reshard its data here: rank view.rank of view.world_size
@@ -91,20 +120,42 @@ def train(store_address: str, steps: int, timeout: float) -> None:
         model.parameters(), lr=3e-3, topology="ring", timeout=4 * timeout,
         membership=live, on_membership_change=on_change,
     )  # fmt: skip
-    for step in range(steps):
+    first, view = 0, live.view  # live.view is opt.membership
+    if join:  # it holds new rank 0's state, and counts from its step
+        rank = view.members[view.rank]
+        first = int(opt.state[next(model.parameters())]["step"])
+        print(f"[id {rank}] joined as rank {view.rank} of {opt.world_size} at step {first}, "
+              f"{time.time() - started:.2f} s after its process started", flush=True)  # fmt: skip
+    took, changed = [], []
+    for step in range(first, steps):
         if rank == victim and step == kill_at:
             store.set("example/killed_at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 0 and step == join_at:
+            store.set("example/join_now", "1")
+        begin = time.perf_counter()
+        time.sleep(pause)  # the rest of a real step's compute
         x, y = batch(rank, step)  # by id: a survivor keeps its own data stream
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
-        generation = opt.membership.generation
+        generation = live.view.generation
         opt.step()
         opt.zero_grad()
-        if opt.membership.generation != generation:
-            killed = float(store.get("example/killed_at").decode())
-            print(f"[id {rank}] step {step} completed {time.time() - killed:.2f} s after the "
-                  "kill, in the rebuilt group", flush=True)  # fmt: skip
+        took.append(time.perf_counter() - begin)
+        if join and step == first:
+            print(f"[id {rank}] first step in the group completed {time.time() - started:.2f} s "
+                  "after its process started", flush=True)  # fmt: skip
+        if live.view.generation != generation:
+            changed.append(len(took) - 1)
+            if live.view.lost:
+                killed = float(store.get("example/killed_at").decode())
+                print(f"[id {rank}] step {step} completed {time.time() - killed:.2f} s after "
+                      "the kill, in the rebuilt group", flush=True)  # fmt: skip
+    for at in changed:  # the steps around a change, against the median step
+        near = took[max(0, at - 2) : at + 3]
+        print(f"[id {rank}] slowest step around the change at step {first + at}: "
+              f"{max(near):.3f} s (median step {sorted(took)[len(took) // 2]:.3f} s)",
+              flush=True)  # fmt: skip
     print(f"[id {rank}] done: {steps} steps, last loss {loss.item():.4f}, "
           f"world size {opt.world_size}", flush=True)  # fmt: skip
     opt.synchronize()  # the last round, before its group goes
@@ -118,6 +169,8 @@ def main() -> int:
     parser.add_argument("--store", help="HOST:PORT of the store (a worker)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--timeout", type=float, default=5.0, help="membership's, in seconds")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds of compute per step")
+    parser.add_argument("--join", action="store_true", help="join a running job (a newcomer)")
     args, rest = parser.parse_known_args()
     if args.serve_store is not None:
         store = serve(args.serve_store)  # served while this object lives
@@ -128,10 +181,11 @@ def main() -> int:
             pass
         return 0
     if args.workers:
-        return launch(args.workers, ["--steps", str(args.steps), "--timeout", str(args.timeout)])
+        argv = ["--steps", str(args.steps), "--timeout", str(args.timeout)]
+        return launch(args.workers, [*argv, "--pause", str(args.pause)])
     if not args.store:
         parser.error("pass --workers N, or --store HOST:PORT with RANK and WORLD_SIZE set")
-    train(args.store, args.steps, args.timeout)
+    train(args.store, args.steps, args.timeout, args.pause, args.join)
     return 0
 
 

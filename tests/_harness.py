@@ -19,6 +19,8 @@ and returns the results as a list indexed by rank. Each worker joined a gloo wor
 receive raises rather than hangs). Pools are created lazily, one per world size, and live until the end of
 the session: spawning eight interpreters and importing torch takes seconds on two cores, a task takes
 milliseconds. ``run_world_fresh`` has the same contract in brand-new processes, torn down afterwards.
+``start_alone(fn, *args)`` runs ``fn(*args)`` in one new process outside any process group (a worker
+that joins a running world), alongside; ``.result(timeout)`` returns its result.
 
 Every task starts from the same process state: ``torch.manual_seed(0)`` (and ``random``/``numpy``), the
 environment, working directory, default dtype/device, grad mode and thread count of a fresh worker, and a
@@ -66,6 +68,7 @@ __all__ = [
     "run_world",
     "run_world_fresh",
     "shutdown_pools",
+    "start_alone",
 ]
 
 #: Timeout given to ``init_process_group``: a collective or recv whose peer never comes raises after it.
@@ -562,6 +565,73 @@ def run_world_fresh(
         return pool.run(fn, task, timeout, frozenset(killed))[0]
     finally:
         pool.close(graceful=False)
+
+
+def _alone_main(conn: Connection, message: bytes, parent_pid: int) -> None:
+    """Entry point of a process of :func:`start_alone`: no process group, one task."""
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        parent_path, task = pickle.loads(message)
+        sys.path.extend(p for p in parent_path if p not in sys.path)
+        import torch
+
+        torch.set_num_threads(1)
+        fn, args = pickle.loads(task)
+        reply = ("ok", pickle.dumps(fn(*args)))
+    except BaseException:
+        reply = ("error", traceback.format_exc())
+    conn.send_bytes(pickle.dumps(reply))
+
+
+class Alone:
+    """One process of :func:`start_alone`; :meth:`result` waits for its answer."""
+
+    def __init__(self, fn: Callable, args: tuple) -> None:
+        self.label = f"start_alone({getattr(fn, '__qualname__', repr(fn))})"
+        here, there = multiprocessing.get_context("spawn").Pipe(duplex=False)
+        message = pickle.dumps((list(sys.path), _pickle_task(fn, args)))
+        self._proc = multiprocessing.get_context("spawn").Process(
+            target=_alone_main, args=(there, message, os.getpid()), daemon=True
+        )
+        self._proc.start()
+        there.close()
+        self._conn = here
+
+    def result(self, timeout: float = 120.0) -> Any:
+        """``fn(*args)``; raises WorldError (its traceback) or WorldTimeoutError (it is killed)."""
+        try:
+            if not self._conn.poll(timeout):
+                raise WorldTimeoutError(
+                    f"{self.label}: no answer within {timeout:g} s", {}, [0], {}
+                )
+            kind, payload = pickle.loads(self._conn.recv_bytes())
+        except EOFError:
+            code = self._proc.exitcode
+            raise WorldError(
+                f"{self.label}: died (exit code {code})", {0: "died"}, [], {}
+            ) from None
+        finally:
+            self.close()
+        if kind != "ok":
+            raise WorldError(f"{self.label} raised:\n{payload}", {0: payload}, [], {})
+        return pickle.loads(payload)
+
+    def close(self) -> None:
+        if self._proc.exitcode is None:
+            self._proc.join(timeout=5.0)
+        if self._proc.exitcode is None:
+            self._proc.kill()
+            self._proc.join(timeout=5.0)
+        self._conn.close()
+
+
+def start_alone(fn: Callable, *args: Any) -> Alone:
+    """Start ``fn(*args)`` now in one new process outside any process group (e.g. a worker that
+    joins a running world later); ``.result(timeout)`` waits for its picklable result."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {fn!r}")
+    return Alone(fn, args)
 
 
 def pool_pids(world_size: int) -> list[int] | None:

@@ -10,23 +10,32 @@ The survivors notice a loss at different steps (a neighbour of the lost rank at 
 hops away one round later, when its neighbours stop answering), so their step counts differ by
 a step or two (a period or two, with local steps) when they rebuild; the largest is the round
 at which gossip resumes.
+
+A newcomer (:mod:`decent_optim.optim.joining`) :func:`enter` s the group the members rebuild with
+it, and the source :func:`give` s it the state it :func:`take` s, point to point over the new
+group, on tags above every optimizer's round tags.
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from decent_optim.gossip.collectives import channel, comm_device, gather_ints
 from decent_optim.gossip.failures import GossipError
 from decent_optim.gossip.gossiper import Gossiper
-from decent_optim.gossip.membership import Membership, View
+from decent_optim.gossip.membership import Membership, MembershipError, View
 from decent_optim.topologies import Topology
 
-__all__ = ["Regrouped", "regroup"]
+__all__ = ["Regrouped", "enter", "give", "gossiper", "regroup", "take"]
+
+#: the tags of a state transfer (the newcomer's fit, the head, then one per tensor)
+TAG = 1 << 30
 
 
 class Regrouped(NamedTuple):
@@ -72,10 +81,89 @@ def regroup(
         except GossipError as err:
             ranks = list(err.peers)
             continue
-        gossip = Gossiper(topology(view), channel(group, slot), timeout=timeout, slot=slot)
-        gossip.watch = membership.watch
+        gossip = gossiper(membership, topology(view), slot, timeout)
         return Regrouped(view, gossip, max(c[0] for c in counts), group)
     raise GossipError(
         f"[id {membership.me}] the survivors kept losing members while rebuilding their group "
         f"(generation {membership.view.generation}); restart the job from a checkpoint"
     )
+
+
+def gossiper(
+    membership: Membership, topology: Topology, slot: int, timeout: datetime.timedelta | None
+) -> Gossiper:
+    """Gossip with ``topology`` on the current default group, its waits watched by
+    ``membership``."""
+    group = dist.group.WORLD
+    gossip = Gossiper(topology, channel(group, slot), timeout=timeout, slot=slot)
+    gossip.watch = membership.watch
+    return gossip
+
+
+def enter(membership: Membership, timeout: datetime.timedelta | None) -> tuple[View, int, Any]:
+    """A newcomer's :func:`regroup`: join, and take part in the members' exchange of step
+    counts (with none of its own). Returns the view, the round at which gossip resumes, the
+    group."""
+    view = membership.rebuild()
+    group = dist.group.WORLD
+    try:
+        counts = gather_ints(
+            [0], group, comm_device(group), timeout, what="the step counts at a join", hint=None
+        )
+    except GossipError as err:
+        raise MembershipError(f"[id {membership.me}] joining failed: {err}; join again") from err
+    return view, max(c[0] for c in counts), group
+
+
+def give(
+    membership: Membership,
+    rank: int,
+    fit: int,
+    head: list[int],
+    payload: Callable[[], list[Tensor]],
+    timeout: float | None,
+) -> bool:
+    """Hand newcomer ``rank`` the ``head`` (numbers) and, if its ``fit`` (a hash of what it
+    built) is this rank's, the tensors of ``payload()``. Returns whether the fits matched.
+
+    Raises :class:`MembershipChanged` or the transport's ``RuntimeError`` (as
+    :meth:`Membership.wait`).
+    """
+    theirs = torch.zeros(1, dtype=torch.int64)
+    membership.wait([_p2p(dist.irecv, theirs, rank, TAG)], timeout)
+    same = int(theirs.item()) == fit
+    works = [_p2p(dist.isend, torch.tensor([int(same), *head]), rank, TAG + 1)]
+    if same:
+        works += [_p2p(dist.isend, t, rank, TAG + 2 + i) for i, t in enumerate(payload())]
+    membership.wait(works, timeout)
+    return same
+
+
+def take(fit: int, heads: int, payload: list[Tensor], timeout: float | None) -> list[int] | None:
+    """A newcomer's side of :func:`give` (from rank 0): the ``heads`` numbers of the head, with
+    ``payload`` filled; None, and this rank has left the group, if the fits differ.
+
+    Its waits are not cut short by a change another member starts: what was sent arrives
+    anyway (a newcomer in the group takes part in the change at its first round), and a
+    source that gave up sends nothing more, which ends in the transport's timeout.
+    """
+    head = torch.zeros(1 + heads, dtype=torch.int64)
+    mine = torch.tensor([fit], dtype=torch.int64)
+    _wait([_p2p(dist.isend, mine, 0, TAG), _p2p(dist.irecv, head, 0, TAG + 1)], timeout)
+    if not head[0]:
+        dist.destroy_process_group()  # the members drop this rank as a lost one
+        return None
+    _wait([_p2p(dist.irecv, t, 0, TAG + 2 + i) for i, t in enumerate(payload)], timeout)
+    return [int(v) for v in head[1:].tolist()]
+
+
+def _wait(works: list[dist.Work], timeout: float | None) -> None:
+    limit = None if timeout is None else datetime.timedelta(seconds=timeout)
+    for work in works:
+        work.wait() if limit is None else work.wait(limit)
+
+
+def _p2p(op: Callable[..., dist.Work | None], tensor: Tensor, peer: int, tag: int) -> dist.Work:
+    work = op(tensor, peer, tag=tag)
+    assert work is not None  # this rank is in the default group
+    return work

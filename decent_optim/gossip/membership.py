@@ -27,6 +27,11 @@ The new rank of id ``i`` is its index in the decision. A rebuild that fails (a m
 posting, so the new group cannot connect within the timeout) is agreed again in the next
 generation, where only posting counts: the members silent for the timeout are left out.
 Every wait is bounded by a multiple of ``timeout``.
+
+Joining: a newcomer (``join=True``) takes an id above all earlier ones (``{prefix}/world`` plus a
+counter: the last rank), posts ``join/{id}`` in the current generation (``{prefix}/generation``)
+and bumps its ``change``, which the members read once per round (:meth:`Membership.pending`);
+their agreement counts every posted ``join/``. Too late for a decision, it asks the next one.
 """
 
 from __future__ import annotations
@@ -80,7 +85,9 @@ class Membership:
     Built on every rank right after ``init_process_group`` (no communication). ``store`` must
     outlive any worker and be the same for every rank; ``prefix`` must be new to it (one per
     job). ``timeout`` (seconds) bounds each wait of an agreement and the new group's: set it
-    to the optimizer's; it becomes the store's timeout too.
+    to the optimizer's; it becomes the store's timeout too. ``join=True``: built instead in a
+    process outside the group, which joins it at its first :meth:`rebuild` (the members'
+    ``backend``; the store and prefix of the job).
     """
 
     def __init__(
@@ -90,6 +97,8 @@ class Membership:
         prefix: str = "decent_optim/live",
         timeout: float = 60.0,
         poll: float = 0.005,
+        join: bool = False,
+        backend: str = "gloo",
     ):
         if not isinstance(store, dist.Store):
             raise TypeError(
@@ -97,23 +106,37 @@ class Membership:
                 "torchrun's agent store, or a dist.TCPStore hosted by a process that does not "
                 f"train; got {store!r}"
             )
-        if not dist.is_initialized():
-            raise RuntimeError("build Membership after dist.init_process_group, on every rank")
+        if dist.is_initialized() == join:
+            raise RuntimeError(
+                "Membership(store, join=True) is for a process outside the running group: do not "
+                "call init_process_group (joining builds the group)"
+                if join
+                else "build "
+                "Membership after dist.init_process_group, on every rank (or pass join=True in "
+                "a process that joins a running job)"
+            )
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.store, self.prefix, self.timeout, self.poll = store, prefix, float(timeout), poll
         # the new group's rendezvous waits on the store with the store's own timeout
         store.set_timeout(datetime.timedelta(seconds=self.timeout))
+        #: a newcomer until its first rebuild has connected it
+        self.joining = join
+        if join:
+            self.backend, self.me, self.view = backend, -1, View(-1, (), -1, ())
+            return
         self.backend = dist.get_backend()
         world = dist.get_world_size()
         self.me = dist.get_rank()
         self.view = View(0, tuple(range(world)), self.me, ())
+        store.compare_set(f"{prefix}/world", "", str(world))  # where newcomers' ids start
 
     def _key(self, generation: int, name: str) -> str:
         return f"{self.prefix}/g{generation}/{name}"
 
     def pending(self) -> bool:
-        """Whether a member has started to agree on a change of the current generation."""
+        """Whether a member has started to agree on a change of the current generation, or a
+        newcomer asks to join (one check of a store key)."""
         return self.store.check([self._key(self.view.generation, "change")])
 
     def wait(self, works: Iterable[dist.Work], timeout: float | None = None) -> None:
@@ -177,7 +200,9 @@ class Membership:
         Raises:
             MembershipError: this rank was left out, or no group could be rebuilt in time.
         """
-        view, attempts = self.view, 0
+        if self.joining:
+            return self._join()
+        view = self.view
         ranks = list(suspects)
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < view.world_size)]
         if bad:
@@ -185,27 +210,59 @@ class Membership:
                 f"suspects must be ranks of the current group (0..{view.world_size - 1}), got {bad}"
             )
         suspected = {view.members[r] for r in ranks} - {self.me}
-        first = True
-        while True:
-            members = self._agree(view, suspected, quick=first)
+        return self._settle(view, self._agree(view, suspected, quick=True))
+
+    def _settle(self, view: View, members: tuple[int, ...]) -> View:
+        """Connect the generation after ``view`` among ``members``; agree again while it fails."""
+        for _ in range(len(members) + 1):
             lost = tuple(sorted(set(self.view.members) - set(members)))
             view = View(view.generation + 1, members, members.index(self.me), lost)
             error = self._connect(view)
             if error is None:
-                self.view = view
+                self.view, self.joining = view, False
+                self.store.set(f"{self.prefix}/generation", str(view.generation))
                 return view
-            attempts += 1
-            if attempts > view.world_size:
-                raise MembershipError(
-                    f"[id {self.me}] could not rebuild the process group among {list(members)} "
-                    f"(generation {view.generation}): {error}"
-                )
             # a member died during the rebuild: agree again, where only posting counts
-            suspected, first = set(), False
+            members = self._agree(view, set(), quick=False)
+        raise MembershipError(
+            f"[id {self.me}] could not rebuild the process group among {list(members)} "
+            f"(generation {view.generation}): {error}"
+        )
+
+    def _join(self) -> View:
+        """A newcomer's first rebuild: ask to join the current generation, wait for the members'
+        decision, connect with them (the next generation if the decision came without it)."""
+        store, wait = self.store, 3 * self.timeout  # a round, then an agreement of 2 timeouts
+        if not store.check([f"{self.prefix}/world"]):
+            raise MembershipError(
+                f"no job runs with prefix={self.prefix!r} on this store (no member has built its "
+                "Membership yet): start the newcomer once the members train, with their store"
+            )
+        world = int(store.get(f"{self.prefix}/world").decode())
+        self.me = world + store.add(f"{self.prefix}/joined", 1) - 1
+        key = f"{self.prefix}/generation"
+        g = int(store.get(key).decode()) if store.check([key]) else 0
+        for _ in range(64):
+            store.set(self._key(g, f"join/{self.me}"), "")
+            store.add(self._key(g, "change"), 1)
+            deadline, decision = time.monotonic() + wait, self._key(g, "decision")
+            while not store.check([decision]):
+                if time.monotonic() >= deadline:
+                    raise MembershipError(
+                        f"[id {self.me}] no member answered the request to join generation "
+                        f"{g} within {wait:g} s: do the members still train?"
+                    )
+                time.sleep(self.poll)
+            decided = tuple(sorted(_ids(store.get(decision).decode())))
+            if self.me in decided:
+                return self._settle(View(g, (), -1, ()), decided)
+            g += 1  # decided before this request was read: ask the next generation
+        raise MembershipError(f"[id {self.me}] the members kept deciding without this newcomer")
 
     def _agree(self, view: View, suspected: set[int], *, quick: bool) -> tuple[int, ...]:
         store, g = self.store, view.generation
         store.set(self._key(g, f"alive/{self.me}"), _text(suspected))
+        world = int(store.get(f"{self.prefix}/world").decode())
         store.add(self._key(g, "change"), 1)
         if dist.is_initialized():
             gc.collect()  # Works kept by reference cycles (tracebacks) would keep sockets open
@@ -221,6 +278,10 @@ class Membership:
                 key = self._key(g, f"alive/{i}")
                 if store.check([key]):
                     posted[i] = _ids(store.get(key).decode())
+            newcomers = range(world, world + store.add(f"{self.prefix}/joined", 0))
+            for i in newcomers:  # they posted before they asked: none is waited for
+                if i not in view.members and store.check([self._key(g, f"join/{i}")]):
+                    posted[i] = set()
             silent = set(view.members) - set(posted)
             blamed = set().union(*posted.values())
             if not silent or (quick and silent <= blamed) or time.monotonic() >= deadline:

@@ -23,6 +23,7 @@ from decent_optim._validation import (
 )
 from decent_optim.optim import (
     frameworks,
+    joining,
     live,
     schedules,
     stepping,
@@ -132,6 +133,9 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
         membership: a :class:`~decent_optim.gossip.membership.Membership` (live membership):
             when a worker dies, the others' :meth:`step` returns and they train on in a
             rebuilt group; see :mod:`decent_optim.optim.live` for what is kept and supported.
+            ``Membership(store, join=True)`` in a process outside the group joins the running
+            job: construction blocks until it holds a member's state
+            (:mod:`decent_optim.optim.joining`).
         on_membership_change: with ``membership``, called as ``fn(view)`` after each change
             (a :class:`~decent_optim.gossip.membership.View`), e.g. to reshard the data.
     """
@@ -195,7 +199,8 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
         except Exception as err:
             failure, wait_limit, self.param_groups = err, None, []
         self._building = False
-        start = connect(
+        joiner = getattr(membership, "joining", False) is True  # a newcomer: optim.joining
+        start = (joining.connect if joiner else connect)(
             [g["params"] for g in self.param_groups],
             [g.get("param_names") for g in self.param_groups],
             name=type(self).__name__,
@@ -209,6 +214,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
             compression=compression,
             local_steps=period.describe(),
             deferred=period.uneven is not None,
+            **({"membership": membership} if joiner else {}),
         )
         self.topology, self._member = start.topology, start.member
         self._where = (start.group, start.device)  # of load_state_dict's cross-check
@@ -221,6 +227,8 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
         self._group_params = [list(g["params"]) for g in self.param_groups]
         self._averaged = AveragedCheck()
         frameworks.check_strategy(type(self).__name__, self.world_size)  # Lightning's, if any
+        if joiner:
+            joining.receive(self, start.resume)
 
     # -- public -------------------------------------------------------------------------------
     @property

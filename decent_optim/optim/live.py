@@ -31,11 +31,17 @@ before it died; the round in flight at the failure is dropped on every survivor.
 restarts, and no step is lost, but the survivors' data must be resharded by the loop if the
 lost worker's share matters.
 
+A worker started while the job runs joins it with ``Membership(store, join=True)``: the members
+read the store once per round (:meth:`Membership.pending
+<decent_optim.gossip.membership.Membership.pending>`, one key), take it in by the same steps
+2-4, and new rank 0 sends it its state (:mod:`decent_optim.optim.joining`).
+
 Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H`` without
 ``outer`` -- with exact gossip (no ``compression``), over the default process group, a topology
 given by name, and one decentralized optimizer per process. Everything else is refused when the
 optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
-``consensus_distance()``, checkpoints) still raise a ``GossipError`` when a member is lost.
+``consensus_distance()``, checkpoints) still raise a ``GossipError`` when a member is lost
+during them; after a change the first three run over the new group (checkpoints are untested).
 """
 
 from __future__ import annotations
@@ -47,8 +53,9 @@ from typing import TYPE_CHECKING, Any
 
 from decent_optim import topologies
 from decent_optim.gossip import Gossiper, GossipError, GossipHandle
-from decent_optim.gossip.live import regroup
+from decent_optim.gossip.live import gossiper, regroup
 from decent_optim.gossip.membership import Membership, View
+from decent_optim.optim import joining
 from decent_optim.topologies import Topology
 
 if TYPE_CHECKING:
@@ -160,6 +167,7 @@ class Live:
         self.topology, self.width = topology, local_world_size
         self.timeout, self.slot = timeout, slot
         self.resume = 0  # rounds below this are not launched (a survivor catching up)
+        self.joiners: tuple[int, ...] = ()  # newcomers this rank (the source) owes the state
 
     @property
     def view(self) -> View:
@@ -177,8 +185,18 @@ class Live:
         return False
 
     def send(self, rounds: Rounds) -> None:
-        """Launch round ``rounds.count``, unless this rank is catching up after a change."""
+        """Launch round ``rounds.count``, unless this rank is catching up after a change; first
+        hand the state to newcomers, and look for a change asked for (a newcomer's)."""
         rounds._pending, rounds._sent = None, False
+        if self.joiners:
+            joiners, self.joiners = self.joiners, ()
+            failed = joining.hand_over(self, rounds, joiners)
+            if failed is not None:
+                self.recover(rounds, failed, rounds.count)
+                return self.send(rounds)
+        if self.membership.pending():  # one check of a store key per round
+            self.recover(rounds, (), rounds.count)
+            return self.send(rounds)
         if rounds.count < self.resume:
             return
         try:
@@ -196,6 +214,7 @@ class Live:
         rounds._pending, rounds._sent, rounds._versions = None, False, None
         if isinstance(rounds.gossip, Gossiper):
             rounds.gossip.watch = None  # of the old group, which is about to go
+        before = set(self.view.members)
         new = regroup(
             self.membership,
             suspects,
@@ -205,8 +224,19 @@ class Live:
             slot=self.slot,
         )
         rounds.gossip, self.resume = new.gossip, new.resume
+        if new.view.rank == 0:  # the source of the newcomers' state (optim.joining)
+            self.joiners = tuple(r for r, i in enumerate(new.view.members) if i not in before)
         owner = self._owner()
         if owner is not None:  # its topology, and the group of load_state_dict's cross-check
             owner.topology, owner._where = new.gossip.topology, (new.group, owner._where[1])
         if self.on_change is not None:
             self.on_change(new.view)
+
+    def adopt(self, width: int, slot: int) -> Topology:
+        """A newcomer's gossip at the members' ``local_world_size`` and slot (optim.joining)."""
+        self.width, self.slot = width, slot
+        topo = topology_for(self.topology, self.view, width)
+        owner = self._owner()
+        assert owner is not None  # the newcomer's constructor calls this
+        owner._rounds.gossip = gossiper(self.membership, topo, slot, self.timeout)
+        return topo

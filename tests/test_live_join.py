@@ -1,0 +1,316 @@
+"""Live membership, joining (issue 42, stage 3): a worker started while the job runs joins it.
+
+Three gloo ranks train a small float64 model with DecentralizedAdamW on the ring; a fourth
+process, started beside them outside any process group (``start_alone``) with a model of other
+values, waits until rank 0 has taken ``JOIN_AT`` steps (a store key) and then builds its
+optimizer with ``Membership(store, join=True)``; rank 0 waits for its request, so the join
+lands early in the run. Each member records its state after the step in which its group was
+rebuilt, the newcomer right after its optimizer was built; the test then runs an independent
+dense float64 simulation from there -- the ring's mixing matrices on 4 ranks and
+``torch.optim.AdamW`` on each rank's own gradients -- and compares the final parameters.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+
+import pytest
+import torch
+from _harness import run_world, run_world_fresh, start_alone
+
+TIMEOUT = 3.0  # seconds: the membership agreement's bound on each wait
+PATIENT = 30.0  # the optimizer's timeout: a loss is noticed by a closed connection or the store
+STEPS, JOIN_AT, LR = 16, 4, 0.05
+WAIT = datetime.timedelta(seconds=120)  # for a key of the other side, under load
+
+
+def _loss(model, member, t):
+    gen = torch.Generator().manual_seed(1000 * member + t)
+    x = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    y = torch.randn(5, 2, generator=gen, dtype=torch.float64)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _model(seed=0, width=2):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(3, width).double()
+
+
+def _flat(tensors):
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
+
+
+def _record(opt, params, count):
+    state = [opt.state[p] for p in params]
+    return {
+        "count": count,
+        "x": _flat(params),
+        "m": _flat(s["exp_avg"] for s in state),
+        "v": _flat(s["exp_avg_sq"] for s in state),
+        "step": int(state[0]["step"]),
+    }
+
+
+def _store(path):
+    import torch.distributed as dist
+
+    return dist.FileStore(os.path.join(path, "store"), -1)
+
+
+def _member(rank, world_size, path, local_steps, kill=None, second=None):
+    from decent_optim import DecentralizedAdamW
+    from decent_optim.gossip.membership import Membership
+
+    store = _store(path)
+    live = Membership(store, prefix="live", timeout=TIMEOUT)
+    model, changes = _model(), []
+    opt = DecentralizedAdamW(
+        model.parameters(),
+        lr=LR,
+        topology="ring",
+        timeout=PATIENT,
+        local_steps=local_steps,
+        membership=live,
+        on_membership_change=changes.append,
+    )
+    params, out = list(model.parameters()), {}
+    for t in range(STEPS):
+        if kill is not None and (rank, t) == kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        _loss(model, rank, t).backward()
+        generation = opt.membership.generation
+        opt.step()
+        opt.zero_grad()
+        if opt.membership.generation != generation and "changed" not in out:
+            out["changed"] = _record(opt, params, t + 1)
+        if rank == 0 and t + 1 == JOIN_AT:
+            store.set("go", "1")
+            store.wait(["live/g0/change"], WAIT)  # the newcomer asked: noticed at the next round
+        if rank == 0 and t + 1 == second:  # a second newcomer, after the first joined
+            store.set("go2", "1")
+            store.wait(["live/g1/change"], WAIT)
+    out["final"], out["view"] = _flat(params), tuple(opt.membership)
+    out["changes"] = [tuple(v) for v in changes]
+    _consensus(opt, params, out)
+    return out
+
+
+def _consensus(opt, params, out):
+    """The optimizer's collectives on the group as it is now (after the changes)."""
+    out["distance"] = opt.consensus_distance()
+    with opt.averaged():
+        out["averaged"] = _flat(params)
+    opt.synchronize()  # mixes the last round, launched at the end of the last step
+    out["synced"] = _flat(params)
+
+
+def _newcomer(path, local_steps, width=2, go="go"):
+    from decent_optim import DecentralizedAdamW
+    from decent_optim.gossip.membership import Membership
+
+    store = _store(path)
+    store.wait([go], WAIT)
+    model = _model(seed=1, width=width)  # a fresh model, of other values
+    params = list(model.parameters())
+    out = {"before": _flat(params)}
+    live = Membership(store, prefix="live", timeout=TIMEOUT, join=True)
+    try:
+        opt = DecentralizedAdamW(
+            params,
+            lr=LR,
+            topology="ring",
+            timeout=PATIENT,
+            local_steps=local_steps,
+            membership=live,
+        )
+    except ValueError as err:
+        return {"refused": str(err)}
+    count = int(opt.state[params[0]]["step"])
+    out["joined"], out["first_view"] = _record(opt, params, count), tuple(opt.membership)
+    me = opt.membership.members[opt.membership.rank]
+    for t in range(count, STEPS):
+        _loss(model, me, t).backward()
+        opt.step()
+        opt.zero_grad()
+    out["final"], out["view"] = _flat(params), tuple(opt.membership)
+    out["sizes"] = (opt.world_size, opt.rank, opt.topology.world_size)
+    _consensus(opt, params, out)
+    return out
+
+
+def _check_consensus(outs):
+    """``averaged()`` and ``consensus_distance()`` over the current members: their mean."""
+    mean = torch.stack([out["final"] for out in outs]).mean(0)
+    for out in outs:
+        torch.testing.assert_close(out["averaged"], mean, rtol=0, atol=1e-12)
+        want = float(torch.linalg.vector_norm(out["final"] - mean))
+        assert abs(out["distance"] - want) <= 1e-9 * (1 + want), (out["distance"], want)
+
+
+def _run(path, local_steps, kill=None, width=2, second=None):
+    alone = start_alone(_newcomer, path, local_steps, width)
+    other = None if second is None else start_alone(_newcomer, path, local_steps, 4, "go2")
+    killed = () if kill is None else (kill[0],)
+    try:
+        members = run_world_fresh(
+            _member, 3, path, local_steps, kill, second, timeout=180, killed=killed
+        )
+    finally:
+        newcomer = alone.result(timeout=120)
+        refused = None if other is None else other.result(timeout=120)
+    return (members, newcomer) if other is None else (members, newcomer, refused)
+
+
+def _simulate(starts, members, local_steps):
+    """The 4 ranks from their states at the join, in float64: ring rounds on 4 ranks from the
+    largest count on; ``torch.optim.AdamW`` on each one's own gradients."""
+    from decent_optim import topologies
+
+    topo = topologies.get("ring", len(members))
+    resume = max(s["count"] for s in starts)
+    model = _model()
+    rows, opts = [], []
+    for s in starts:
+        p = torch.nn.Parameter(s["x"].clone())
+        opt = torch.optim.AdamW([p], lr=LR, foreach=False)
+        opt.state[p] = {
+            "step": torch.tensor(float(s["step"]), dtype=torch.float64),
+            "exp_avg": s["m"].clone(),
+            "exp_avg_sq": s["v"].clone(),
+        }
+        rows.append(p)
+        opts.append(opt)
+    anchors = [p.detach().clone() for p in rows]  # what each sent last (local_steps > 1)
+    for t in range(min(s["count"] for s in starts), STEPS):
+        active = [s["count"] <= t for s in starts]
+        grads = []
+        for p, member in zip(rows, members):
+            torch.nn.utils.vector_to_parameters(p.detach().clone(), model.parameters())
+            model.zero_grad()
+            _loss(model, member, t).backward()
+            grads.append(_flat(q.grad for q in model.parameters()))
+        launched = t + 1 - local_steps  # round k is launched at count kH >= resume
+        if (t + 1) % local_steps == 0 and launched >= resume:
+            assert all(active)
+            w = topo.mixing_matrix(launched // local_steps).double()
+            sent = torch.stack(anchors)
+            mixed = w @ sent
+            with torch.no_grad():
+                for i, p in enumerate(rows):
+                    p.add_(mixed[i] - sent[i])
+        for i, (p, opt) in enumerate(zip(rows, opts)):
+            if active[i]:
+                p.grad = grads[i]
+                opt.step()
+                if (t + 1) % local_steps == 0:
+                    anchors[i] = p.detach().clone()
+    return [p.detach() for p in rows]
+
+
+def _check(members, newcomer, local_steps):
+    from decent_optim import topologies
+
+    joined, source = newcomer["joined"], members[0]["changed"]
+    # (b) the newcomer holds exactly the source's (new rank 0's) state, not its own
+    assert joined["count"] == source["count"] and joined["step"] == source["step"], joined
+    for key in ("x", "m", "v"):
+        assert torch.equal(joined[key], source[key]), key
+    assert not torch.allclose(newcomer["before"], joined["x"])
+    # (a) one view on all 4: generation 1, the newcomer (id 3) last
+    view = (1, (0, 1, 2, 3), 3, ())
+    assert newcomer["first_view"] == view and newcomer["view"] == view, newcomer["view"]
+    assert newcomer["sizes"] == (4, 3, 4), newcomer["sizes"]
+    for rank, out in enumerate(members):
+        assert out["view"] == (1, (0, 1, 2, 3), rank, ()), out["view"]
+        assert out["changes"] == [out["view"]], out["changes"]
+    # (c) the 4 ranks from the join on are the dense simulation
+    starts = [out["changed"] for out in members] + [joined]
+    resume = max(s["count"] for s in starts)
+    assert resume <= STEPS - 2 * local_steps, starts  # rounds were mixed after the join
+    assert all(s["count"] % local_steps == 0 for s in starts), starts
+    finals = [out["final"] for out in members] + [newcomer["final"]]
+    expected = _simulate(starts, [0, 1, 2, 3], local_steps)
+    for rank, (got, want) in enumerate(zip(finals, expected)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=f"rank {rank}")
+    # the newcomer was mixed with: a run where it trains alone ends elsewhere
+    alone = _simulate([joined], [3], local_steps)[0]
+    assert not torch.allclose(alone, newcomer["final"], atol=1e-6)
+    _check_consensus([*members, newcomer])
+    # synchronize() on the new group: the round launched at the end mixed into the finals
+    w = topologies.get("ring", 4).mixing_matrix(STEPS // local_steps).double()
+    synced = w @ torch.stack(finals)
+    for rank, out in enumerate([*members, newcomer]):
+        torch.testing.assert_close(out["synced"], synced[rank], rtol=0, atol=1e-12)
+
+
+@pytest.mark.multiprocess
+def test_a_newcomer_joins_and_trains_as_the_dense_simulation(tmp_path):
+    _check(*_run(str(tmp_path), 1), local_steps=1)
+
+
+@pytest.mark.multiprocess
+def test_a_newcomer_joins_with_local_steps(tmp_path):
+    _check(*_run(str(tmp_path), 2), local_steps=2)
+
+
+@pytest.mark.multiprocess
+def test_a_join_a_refused_newcomer_and_a_kill(tmp_path):
+    """One run: a newcomer joins after step 4, a second one, built with another model, asks
+    after step 7 and is refused, rank 1 is SIGKILLed before its step 11; no hang."""
+    members, newcomer, refused = _run(str(tmp_path), 1, kill=(1, 11), second=7)
+    said = refused["refused"]
+    assert "differs from the running members'" in said and "join again" in said, said
+    assert members[1] is None
+    # generation 1 took id 3 in, 2 took id 4 in, 3 dropped it (refused), 4 dropped id 1
+    views = [(1, (0, 1, 2, 3)), (2, (0, 1, 2, 3, 4)), (3, (0, 1, 2, 3)), (4, (0, 2, 3))]
+    for rank, out in ((0, members[0]), (1, members[2]), (2, newcomer)):
+        assert out["view"] == (4, (0, 2, 3), rank, (1,)), out["view"]
+    for out in (members[0], members[2]):
+        assert [(v[0], v[1]) for v in out["changes"]] == views, out["changes"]
+        assert [v[3] for v in out["changes"]] == [(), (), (4,), (1,)], out["changes"]
+    assert newcomer["sizes"] == (3, 2, 3)
+    for out in (members[0], members[2], newcomer):
+        assert torch.isfinite(out["final"]).all()
+    _check_consensus([members[0], members[2], newcomer])
+
+
+def _refusals(rank, world_size, path):
+    import torch.distributed as dist
+
+    from decent_optim import DecentralizedAdamW
+    from decent_optim.gossip.membership import Membership
+
+    said = {}
+    try:  # a process of the group cannot join it
+        Membership(_store(path), prefix="live", join=True)
+    except RuntimeError as err:
+        said["initialized"] = str(err)
+    live = Membership(_store(path), prefix="live", timeout=TIMEOUT)
+    live.joining = True  # as a newcomer's, for the settings' checks before anything is sent
+    for name, kwargs in {
+        "compression": dict(compression="int8"),
+        "outer": dict(local_steps=2, outer="diloco"),
+        "process_group": dict(process_group=dist.group.WORLD),
+    }.items():
+        try:
+            DecentralizedAdamW(_model().parameters(), membership=live, **kwargs)
+        except ValueError as err:
+            said[name] = str(err)
+    return said
+
+
+@pytest.mark.multiprocess
+def test_joining_refusals(tmp_path):
+    import torch.distributed as dist
+
+    from decent_optim.gossip.membership import Membership
+
+    said = run_world(_refusals, 1, str(tmp_path))[0]
+    assert "join=True) is for a process outside the running group" in said["initialized"]
+    for name in ("compression", "outer", "process_group"):
+        assert "membership= supports the step-locked schedules" in said[name], said[name]
+    assert not dist.is_initialized()  # this process is in no group: it may join, not be a member
+    with pytest.raises(RuntimeError, match="pass join=True in a process that joins"):
+        Membership(dist.FileStore(os.path.join(str(tmp_path), "alone"), -1), timeout=TIMEOUT)
