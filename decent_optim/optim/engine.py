@@ -30,12 +30,12 @@ from decent_optim.optim import (
 )
 from decent_optim.optim.budget import Budgeted
 from decent_optim.optim.consensus import ConsensusViews
+from decent_optim.optim.facts import WorkerFacts
 from decent_optim.optim.failure import FailureLatch, guarded
 from decent_optim.optim.inputs import AveragedCheck
 from decent_optim.optim.local_steps import OuterSGD
 from decent_optim.optim.options import ParamsT, with_defaults
 from decent_optim.optim.slow_outer import LocalOuterSGD
-from decent_optim.optim.startup import connect
 from decent_optim.optim.state import FlatState
 from decent_optim.optim.state_dicts import StateDicts
 from decent_optim.rules.base import UpdateRule
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["DecentralizedOptimizer"]
 
 
-class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
+class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, Optimizer):
     r"""Base class: a torch optimizer whose parameters are also gossiped with neighbours.
 
     Each :meth:`step` does, on rank :math:`i` at round :math:`t` (``t`` = completed steps):
@@ -199,8 +199,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
         except Exception as err:
             failure, wait_limit, self.param_groups = err, None, []
         self._building = False
-        joiner = getattr(membership, "joining", False) is True  # a newcomer: optim.joining
-        start = (joining.connect if joiner else connect)(
+        start = joining.starter(membership)(
             [g["params"] for g in self.param_groups],
             [g.get("param_names") for g in self.param_groups],
             name=type(self).__name__,
@@ -214,7 +213,6 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
             compression=compression,
             local_steps=period.describe(),
             deferred=period.uneven is not None,
-            **({"membership": membership} if joiner else {}),
         )
         self.topology, self._member = start.topology, start.member
         self._where = (start.group, start.device)  # of load_state_dict's cross-check
@@ -227,32 +225,9 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, Optimizer):
         self._group_params = [list(g["params"]) for g in self.param_groups]
         self._averaged = AveragedCheck()
         frameworks.check_strategy(type(self).__name__, self.world_size)  # Lightning's, if any
-        if joiner:
-            joining.receive(self, start.resume)
+        joining.finish(self, start)
 
     # -- public -------------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        """This worker's rank in the optimizer's process group (0 without one)."""
-        return self._rounds.gossip.rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of workers gossiping (1 without a process group)."""
-        return self._rounds.gossip.world_size
-
-    @property
-    def membership(self) -> View | None:
-        """With ``membership=``: the current group's view (``generation``, ``members`` by their
-        first rank, this worker's ``rank`` and ``world_size``, the ids ``lost`` last); else None."""
-        return None if self._rounds.live is None else self._rounds.live.view
-
-    @property
-    def bytes_sent(self) -> int:
-        """Payload bytes this worker sent in gossip rounds since the optimizer was built (an
-        all-reduce counted as a ring sends it; not restored from checkpoints: it restarts at 0)."""
-        return self._rounds.gossip.bytes_sent
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Mix the neighbours' parameters in, take the local update, send the result on.

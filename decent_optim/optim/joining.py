@@ -35,7 +35,9 @@ The members pay nothing more per step than the store check; the source sends the
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +50,7 @@ from decent_optim.gossip import Gossiper, GossipError, comm_device
 from decent_optim.gossip.live import enter, give, take
 from decent_optim.gossip.membership import Membership as LiveMembership
 from decent_optim.gossip.membership import MembershipError
+from decent_optim.optim import startup
 from decent_optim.optim.membership import Membership
 from decent_optim.optim.startup import Connected
 
@@ -57,7 +60,21 @@ if TYPE_CHECKING:
     from decent_optim.optim.live import Live
     from decent_optim.optim.rounds import Rounds
 
-__all__ = ["connect", "fit", "hand_over", "receive"]
+__all__ = ["connect", "finish", "fit", "hand_over", "receive", "starter"]
+
+
+def starter(membership: LiveMembership | None) -> Callable[..., Connected]:
+    """The start-up an optimizer with ``membership=`` runs: a newcomer's (:func:`connect`) or
+    the one every other optimizer runs (:func:`decent_optim.optim.startup.connect`)."""
+    if getattr(membership, "joining", False) is True:  # Membership(store, join=True)
+        return functools.partial(connect, membership=membership)
+    return startup.connect
+
+
+def finish(owner: Any, start: Connected) -> None:
+    """The end of an optimizer's construction: a newcomer receives its state (:func:`receive`)."""
+    if start.resume is not None:  # only a newcomer's start-up (:func:`connect`) sets it
+        receive(owner, start.resume)
 
 
 def connect(

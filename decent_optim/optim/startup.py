@@ -154,8 +154,8 @@ class Connected:
     #: where load_state_dict's cross-check runs: the group (None: one rank) and its device
     group: Any
     device: torch.device | None
-    #: a newcomer of live membership: the round at which gossip resumes (optim.joining)
-    resume: int = 0
+    #: a newcomer of live membership (optim.joining): the round at which gossip resumes
+    resume: int | None = None
 
 
 def connect(

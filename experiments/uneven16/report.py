@@ -1,7 +1,7 @@
 """Time over even-hardware time at 16 workers, from ``uneven_ttq.sh``'s results (TAG=-16w).
 
     python experiments/uneven16/report.py [--tag=-16w[,-16wb...]] [--shape 8x2] [--rate 1gbit]
-        [--seed 0] [--tolerance 0.01]
+        [--seed 0] [--tolerance 0.01] [--losses 0.6,0.5] [--versus METHOD]
 
 Several tags (comma-separated) merge their runs (a method's first tag wins).
 At 16 workers with the harness's global batch of 32 (two sequences a rank) and a 240-step
@@ -45,6 +45,12 @@ def main() -> None:
     p.add_argument("--shape", default="8x2")
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--seed", default="0")
+    p.add_argument(
+        "--versus",
+        default="",
+        help="also each method's time to each loss over this "
+        "method's on the same hardware (needs --losses)",
+    )
     args = p.parse_args()
     runs: dict[str, tuple[dict, list]] = {}
     for hardware in ("even", "quarter", "jitter", "half"):
@@ -86,6 +92,8 @@ def main() -> None:
             )
     if args.losses:
         _at_losses(runs, [float(x) for x in args.losses.split(",")])
+    if args.versus and args.losses:
+        _versus(runs, args.versus, [float(x) for x in args.losses.split(",")])
 
 
 def _at_losses(runs: dict, losses: list[float]) -> None:
@@ -106,6 +114,32 @@ def _at_losses(runs: dict, losses: list[float]) -> None:
             for loss in losses:
                 t, t0 = _time_to(row["curve"], loss), _time_to(base["curve"], loss)
                 cells.append("-" if t is None or t0 is None else f"{t / t0:.2f}x")
+            print(
+                f"| {method} | {hardware} | " + " | ".join(cells) + f" | {row['final_loss']:.4f} |"
+            )
+
+
+def _versus(runs: dict, reference: str, losses: list[float]) -> None:
+    """Time to each loss over ``reference``'s time to it on the same hardware (the reference's
+    own row: its seconds): is a variant faster or slower than the method it varies?"""
+    print("\n| method | hardware | " + " | ".join(f"to {x:g}" for x in losses) + " | final |")
+    print("|---|---|" + "---:|" * (len(losses) + 1))
+    for hardware, (rows, _) in runs.items():
+        base = rows.get(reference)
+        if base is None:
+            continue
+        for method, row in rows.items():
+            if not method.startswith(reference):
+                continue
+            cells = []
+            for loss in losses:
+                t, t0 = _time_to(row["curve"], loss), _time_to(base["curve"], loss)
+                if t0 is None:
+                    cells.append("-" if t is None else f"{t:.0f} s (ref. -)")
+                elif method == reference:
+                    cells.append(f"{t0:.0f} s")
+                else:
+                    cells.append("-" if t is None else f"{t / t0:.2f}x")
             print(
                 f"| {method} | {hardware} | " + " | ".join(cells) + f" | {row['final_loss']:.4f} |"
             )
