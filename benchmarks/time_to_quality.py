@@ -530,6 +530,13 @@ def launch(args, rest: list[str]) -> None:
                 continue
         part = parts / f"{i}.json"
         part.unlink(missing_ok=True)
+        if i == 0 and os.environ.get("TTQ_DDP_FROM"):  # DDP's row of an earlier results .json
+            row = json.loads(Path(os.environ["TTQ_DDP_FROM"]).read_text())["rows"][0]
+            part.write_text(json.dumps(row))
+            if node_rank == 0:
+                rows.append(row)
+                notes.append(f"ddp: its row is taken from {os.environ['TTQ_DDP_FROM']}, not run")
+            continue
         if args.one_launch:
             chain.append((i, method))
             continue

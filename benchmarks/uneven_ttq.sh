@@ -7,7 +7,8 @@
 # Results: benchmarks/results/ttq_<rate>_uneven<TAG>_<shape>_<hardware>_s<seed>.{md,csv,json}
 # (TAG: empty by default; another for another set of methods, e.g. TAG=-h2). UNEVEN_BUDGET: the
 # uneven methods' budget in DDP-equivalent steps x STEPS (default 1.5; they train to it). TTQ_EXTRA:
-# more options for time_to_quality.py (e.g. --global-batch 128).
+# more options for time_to_quality.py (e.g. --global-batch 128). TTQ_DDP_FROM=<results .json>: take
+# DDP's row (the target) from an earlier run instead of running DDP again (its table says so).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 shape=${SHAPE:-2x2}
