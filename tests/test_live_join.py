@@ -16,39 +16,25 @@ import datetime
 import os
 import signal
 
+import _live
 import pytest
 import torch
 from _harness import run_world, run_world_fresh, start_alone
 
 TIMEOUT = 3.0  # seconds: the membership agreement's bound on each wait
 PATIENT = 30.0  # the optimizer's timeout: a loss is noticed by a closed connection or the store
-STEPS, JOIN_AT, LR = 16, 4, 0.05
+JOIN_AT = 4
+STEPS, LR = _live.STEPS, _live.LR
 WAIT = datetime.timedelta(seconds=120)  # for a key of the other side, under load
-
-
-def _loss(model, member, t):
-    gen = torch.Generator().manual_seed(1000 * member + t)
-    x = torch.randn(5, 3, generator=gen, dtype=torch.float64)
-    y = torch.randn(5, 2, generator=gen, dtype=torch.float64)
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def _model(seed=0, width=2):
-    torch.manual_seed(seed)
-    return torch.nn.Linear(3, width).double()
-
-
-def _flat(tensors):
-    return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
 
 
 def _record(opt, params, count):
     state = [opt.state[p] for p in params]
     return {
         "count": count,
-        "x": _flat(params),
-        "m": _flat(s["exp_avg"] for s in state),
-        "v": _flat(s["exp_avg_sq"] for s in state),
+        "x": _live.flat(params),
+        "m": _live.flat(s["exp_avg"] for s in state),
+        "v": _live.flat(s["exp_avg_sq"] for s in state),
         "step": int(state[0]["step"]),
     }
 
@@ -65,7 +51,7 @@ def _member(rank, world_size, path, local_steps, kill=None, second=None):
 
     store = _store(path)
     live = Membership(store, prefix="live", timeout=TIMEOUT)
-    model, changes = _model(), []
+    model, changes = _live.model(), []
     opt = DecentralizedAdamW(
         model.parameters(),
         lr=LR,
@@ -79,7 +65,7 @@ def _member(rank, world_size, path, local_steps, kill=None, second=None):
     for t in range(STEPS):
         if kill is not None and (rank, t) == kill:
             os.kill(os.getpid(), signal.SIGKILL)
-        _loss(model, rank, t).backward()
+        _live.loss(model, rank, t).backward()
         generation = opt.membership.generation
         opt.step()
         opt.zero_grad()
@@ -91,7 +77,7 @@ def _member(rank, world_size, path, local_steps, kill=None, second=None):
         if rank == 0 and t + 1 == second:  # a second newcomer, after the first joined
             store.set("go2", "1")
             store.wait(["live/g1/change"], WAIT)
-    out["final"], out["view"] = _flat(params), tuple(opt.membership)
+    out["final"], out["view"] = _live.flat(params), tuple(opt.membership)
     out["changes"] = [tuple(v) for v in changes]
     _consensus(opt, params, out)
     return out
@@ -101,9 +87,9 @@ def _consensus(opt, params, out):
     """The optimizer's collectives on the group as it is now (after the changes)."""
     out["distance"] = opt.consensus_distance()
     with opt.averaged():
-        out["averaged"] = _flat(params)
+        out["averaged"] = _live.flat(params)
     opt.synchronize()  # mixes the last round, launched at the end of the last step
-    out["synced"] = _flat(params)
+    out["synced"] = _live.flat(params)
 
 
 def _newcomer(path, local_steps, width=2, go="go"):
@@ -112,9 +98,9 @@ def _newcomer(path, local_steps, width=2, go="go"):
 
     store = _store(path)
     store.wait([go], WAIT)
-    model = _model(seed=1, width=width)  # a fresh model, of other values
+    model = _live.model(seed=1, width=width)  # a fresh model, of other values
     params = list(model.parameters())
-    out = {"before": _flat(params)}
+    out = {"before": _live.flat(params)}
     live = Membership(store, prefix="live", timeout=TIMEOUT, join=True)
     try:
         opt = DecentralizedAdamW(
@@ -131,10 +117,10 @@ def _newcomer(path, local_steps, width=2, go="go"):
     out["joined"], out["first_view"] = _record(opt, params, count), tuple(opt.membership)
     me = opt.membership.members[opt.membership.rank]
     for t in range(count, STEPS):
-        _loss(model, me, t).backward()
+        _live.loss(model, me, t).backward()
         opt.step()
         opt.zero_grad()
-    out["final"], out["view"] = _flat(params), tuple(opt.membership)
+    out["final"], out["view"] = _live.flat(params), tuple(opt.membership)
     out["sizes"] = (opt.world_size, opt.rank, opt.topology.world_size)
     _consensus(opt, params, out)
     return out
@@ -163,52 +149,6 @@ def _run(path, local_steps, kill=None, width=2, second=None):
     return (members, newcomer) if other is None else (members, newcomer, refused)
 
 
-def _simulate(starts, members, local_steps):
-    """The 4 ranks from their states at the join, in float64: ring rounds on 4 ranks from the
-    largest count on; ``torch.optim.AdamW`` on each one's own gradients."""
-    from decent_optim import topologies
-
-    topo = topologies.get("ring", len(members))
-    resume = max(s["count"] for s in starts)
-    model = _model()
-    rows, opts = [], []
-    for s in starts:
-        p = torch.nn.Parameter(s["x"].clone())
-        opt = torch.optim.AdamW([p], lr=LR, foreach=False)
-        opt.state[p] = {
-            "step": torch.tensor(float(s["step"]), dtype=torch.float64),
-            "exp_avg": s["m"].clone(),
-            "exp_avg_sq": s["v"].clone(),
-        }
-        rows.append(p)
-        opts.append(opt)
-    anchors = [p.detach().clone() for p in rows]  # what each sent last (local_steps > 1)
-    for t in range(min(s["count"] for s in starts), STEPS):
-        active = [s["count"] <= t for s in starts]
-        grads = []
-        for p, member in zip(rows, members):
-            torch.nn.utils.vector_to_parameters(p.detach().clone(), model.parameters())
-            model.zero_grad()
-            _loss(model, member, t).backward()
-            grads.append(_flat(q.grad for q in model.parameters()))
-        launched = t + 1 - local_steps  # round k is launched at count kH >= resume
-        if (t + 1) % local_steps == 0 and launched >= resume:
-            assert all(active)
-            w = topo.mixing_matrix(launched // local_steps).double()
-            sent = torch.stack(anchors)
-            mixed = w @ sent
-            with torch.no_grad():
-                for i, p in enumerate(rows):
-                    p.add_(mixed[i] - sent[i])
-        for i, (p, opt) in enumerate(zip(rows, opts)):
-            if active[i]:
-                p.grad = grads[i]
-                opt.step()
-                if (t + 1) % local_steps == 0:
-                    anchors[i] = p.detach().clone()
-    return [p.detach() for p in rows]
-
-
 def _check(members, newcomer, local_steps):
     from decent_optim import topologies
 
@@ -231,11 +171,11 @@ def _check(members, newcomer, local_steps):
     assert resume <= STEPS - 2 * local_steps, starts  # rounds were mixed after the join
     assert all(s["count"] % local_steps == 0 for s in starts), starts
     finals = [out["final"] for out in members] + [newcomer["final"]]
-    expected = _simulate(starts, [0, 1, 2, 3], local_steps)
+    expected = _live.simulate(starts, [0, 1, 2, 3], local_steps)
     for rank, (got, want) in enumerate(zip(finals, expected)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=f"rank {rank}")
     # the newcomer was mixed with: a run where it trains alone ends elsewhere
-    alone = _simulate([joined], [3], local_steps)[0]
+    alone = _live.simulate([joined], [3], local_steps)[0]
     assert not torch.allclose(alone, newcomer["final"], atol=1e-6)
     _check_consensus([*members, newcomer])
     # synchronize() on the new group: the round launched at the end mixed into the finals
@@ -295,7 +235,7 @@ def _refusals(rank, world_size, path):
         "process_group": dict(process_group=dist.group.WORLD),
     }.items():
         try:
-            DecentralizedAdamW(_model().parameters(), membership=live, **kwargs)
+            DecentralizedAdamW(_live.model().parameters(), membership=live, **kwargs)
         except ValueError as err:
             said[name] = str(err)
     return said

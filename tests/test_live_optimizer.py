@@ -14,29 +14,15 @@ from __future__ import annotations
 import os
 import signal
 
+import _live
 import pytest
 import torch
 from _harness import run_world, run_world_fresh
 
 TIMEOUT = 3.0  # seconds: the membership agreement's bound on each wait
 PATIENT = 30.0  # the optimizer's timeout: a loss is noticed by a closed connection or the store
-STEPS, KILL_AT, VICTIM, LR = 16, 4, 2, 0.05
-
-
-def _loss(model, member, t):
-    gen = torch.Generator().manual_seed(1000 * member + t)
-    x = torch.randn(5, 3, generator=gen, dtype=torch.float64)
-    y = torch.randn(5, 2, generator=gen, dtype=torch.float64)
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Linear(3, 2).double()
-
-
-def _flat(tensors):
-    return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
+KILL_AT, VICTIM = 4, 2
+STEPS, LR = _live.STEPS, _live.LR
 
 
 def _train(rank, world_size, path, local_steps, victim, membership=True):
@@ -49,7 +35,7 @@ def _train(rank, world_size, path, local_steps, victim, membership=True):
     if membership:
         store = dist.FileStore(os.path.join(path, "store"), -1)
         live = Membership(store, prefix="live", timeout=TIMEOUT)
-    model, changes = _model(), []
+    model, changes = _live.model(), []
     opt = DecentralizedAdamW(
         model.parameters(),
         lr=LR,
@@ -63,7 +49,7 @@ def _train(rank, world_size, path, local_steps, victim, membership=True):
     for t in range(STEPS):
         if t == KILL_AT and rank == victim:
             os.kill(os.getpid(), signal.SIGKILL)
-        _loss(model, rank, t).backward()
+        _live.loss(model, rank, t).backward()
         generation = opt.membership.generation if membership else 0
         opt.step()
         opt.zero_grad()
@@ -71,64 +57,17 @@ def _train(rank, world_size, path, local_steps, victim, membership=True):
             state = [opt.state[p] for p in params]
             out["changed"] = {
                 "count": t + 1,
-                "x": _flat(params),
-                "m": _flat(s["exp_avg"] for s in state),
-                "v": _flat(s["exp_avg_sq"] for s in state),
+                "x": _live.flat(params),
+                "m": _live.flat(s["exp_avg"] for s in state),
+                "v": _live.flat(s["exp_avg_sq"] for s in state),
                 "step": int(state[0]["step"]),
             }
-    out["final"] = _flat(params)
+    out["final"] = _live.flat(params)
     if membership:
         out["view"], out["changes"] = tuple(opt.membership), [tuple(v) for v in changes]
         sizes = (opt.world_size, opt.rank, opt.membership.world_size, opt.topology.world_size)
         out["world_size"] = sizes
     return out
-
-
-def _simulate(starts, members, local_steps):
-    """The survivors from their states at the change, in float64: ring rounds on 3 ranks from
-    the largest count on; ``torch.optim.AdamW`` on each one's own gradients."""
-    from decent_optim import topologies
-
-    topo = topologies.get("ring", len(members))
-    resume = max(s["count"] for s in starts)
-    model = _model()
-    rows, opts = [], []
-    for s in starts:
-        p = torch.nn.Parameter(s["x"].clone())
-        opt = torch.optim.AdamW([p], lr=LR, foreach=False)
-        opt.state[p] = {
-            "step": torch.tensor(float(s["step"]), dtype=torch.float64),
-            "exp_avg": s["m"].clone(),
-            "exp_avg_sq": s["v"].clone(),
-        }
-        rows.append(p)
-        opts.append(opt)
-    anchors = [p.detach().clone() for p in rows]  # what each sent last (local_steps > 1)
-    for t in range(min(s["count"] for s in starts), STEPS):
-        active = [s["count"] <= t for s in starts]
-        grads = []
-        for p, member in zip(rows, members):
-            torch.nn.utils.vector_to_parameters(p.detach().clone(), model.parameters())
-            model.zero_grad()
-            _loss(model, member, t).backward()
-            grads.append(_flat(q.grad for q in model.parameters()))
-        # round k is launched at count k * H >= resume and mixed H steps later
-        launched = t + 1 - local_steps
-        if (t + 1) % local_steps == 0 and launched >= resume:
-            assert all(active)
-            w = topo.mixing_matrix(launched // local_steps).double()
-            sent = torch.stack(anchors)
-            mixed = w @ sent
-            with torch.no_grad():
-                for i, p in enumerate(rows):
-                    p.add_(mixed[i] - sent[i])
-        for i, (p, opt) in enumerate(zip(rows, opts)):
-            if active[i]:
-                p.grad = grads[i]
-                opt.step()
-                if (t + 1) % local_steps == 0:
-                    anchors[i] = p.detach().clone()
-    return [p.detach() for p in rows]
 
 
 def _check_against_simulation(results, local_steps):
@@ -138,11 +77,11 @@ def _check_against_simulation(results, local_steps):
     resume = max(s["count"] for s in starts)
     assert resume <= STEPS - 2 * local_steps, starts  # rounds were mixed after the change
     assert all(s["count"] % local_steps == 0 for s in starts), starts
-    expected = _simulate(starts, survivors, local_steps)
+    expected = _live.simulate(starts, survivors, local_steps)
     for r, want in zip(survivors, expected):
         torch.testing.assert_close(results[r]["final"], want, rtol=0, atol=1e-10)
     # the run differs from one without any mixing after the change
-    alone = [_simulate([s], [r], local_steps)[0] for s, r in zip(starts, survivors)]
+    alone = [_live.simulate([s], [r], local_steps)[0] for s, r in zip(starts, survivors)]
     assert any(not torch.allclose(a, e, atol=1e-6) for a, e in zip(alone, expected))
 
 
@@ -205,7 +144,7 @@ def _refusals(rank, world_size, path):
     from decent_optim.gossip.membership import Membership
 
     live = Membership(dist.FileStore(os.path.join(path, "store"), -1), timeout=TIMEOUT)
-    model = _model()
+    model = _live.model()
     cases = {
         "compression": dict(compression="int8"),
         "uneven": dict(local_steps=2, uneven=Uneven()),
