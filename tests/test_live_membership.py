@@ -213,3 +213,49 @@ def test_a_member_silent_for_the_timeout_is_left_out_and_told(tmp_path):
         view, total, left = results[old]
         assert view == (1, (1, 3), new_rank, (0, 2)), view
         assert total == 4.0 and left == float((1, 3)[1 - new_rank]), results
+
+
+LATE_TIMEOUT = 60.0  # the agreement's wait for a silent member: this test must not need it
+ROUND_TIMEOUT = 3.0  # the gossip's wait, after which the hung rank's neighbour blames it
+
+
+def _hung_blamed_late(rank, world_size, path):
+    import torch.distributed as dist
+
+    from decent_optim import topologies
+    from decent_optim.gossip import Gossiper
+    from decent_optim.gossip.membership import MembershipChanged
+
+    live = _membership(path, LATE_TIMEOUT)
+    live.store.set(f"pid/{rank}", str(os.getpid()))
+    gossiper = Gossiper(
+        topologies.get("ring", world_size), timeout=datetime.timedelta(seconds=ROUND_TIMEOUT)
+    )
+    gossiper.watch = live.watch
+    x = torch.full((4,), float(rank), dtype=torch.float64)
+    gossiper.start([x], 0).wait_and_mix_()  # a round that works
+    dist.barrier()
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)  # hung: killed by rank 1 once the others rebuilt
+    if rank == 0:
+        # the first to act blames a live member (as a non-neighbour whose wait timed out
+        # first does): its neighbours leave their waits for the change before they time out
+        time.sleep(0.5)
+        view = live.rebuild([3])
+    else:
+        with pytest.raises(MembershipChanged):
+            gossiper.start([x], 1).wait_and_mix_()
+        view = live.rebuild([])  # the wait left behind still names the hung rank
+    if rank == 1:
+        os.kill(int(live.store.get("pid/2")), signal.SIGKILL)
+    return tuple(view)
+
+
+@pytest.mark.multiprocess
+def test_a_hung_member_is_left_out_when_a_wait_left_for_the_change_times_out(tmp_path):
+    # without the late blame the others would wait 2 x LATE_TIMEOUT for the silent rank 2,
+    # past the harness's timeout
+    results = run_world_fresh(_hung_blamed_late, 4, str(tmp_path), timeout=90, killed=(2,))
+    assert results[2] is None
+    for new_rank, old in enumerate((0, 1, 3)):
+        assert results[old] == (1, (0, 1, 3), new_rank, (2,)), results

@@ -18,7 +18,10 @@ in the first group; ``members`` lists the ids of generation ``g`` by rank. Each 
    ``abort()`` or ``shutdown()`` (measured with torch 2.13);
 2. waits until every member has posted, or every member that has not is suspected by one that
    has, or twice the timeout has passed since it posted (a live member's own waits end within
-   the timeout, and then it posts: silent after that, it is hung);
+   the timeout, and then it posts: silent after that, it is hung). A wait that a member left
+   for the change goes on in its helper thread (:meth:`Membership.watch`); if it ends naming
+   a peer (timed out, or closed), the member adds that peer to its post, so that a hung rank
+   is left out when its neighbours' waits time out, not twice the timeout later;
 3. proposes ``sorted(posted)`` with ``compare_set`` on ``decision``: the first proposal wins and
    every survivor reads that one, whatever it noticed itself. A member left out (it came too
    late) gets :class:`MembershipError`.
@@ -122,6 +125,8 @@ class Membership:
         store.set_timeout(datetime.timedelta(seconds=self.timeout))
         #: a newcomer until its first rebuild has connected it
         self.joining = join
+        # (generation, ranks) a wait named after this rank had left it for a change (watch)
+        self._late: list[tuple[int, tuple[int, ...]]] = []
         if join:
             self.backend, self.me, self.view = backend, -1, View(-1, (), -1, ())
             return
@@ -170,12 +175,16 @@ class Membership:
         """
         outcome: list[BaseException] = []
         done = threading.Event()
+        generation = self.view.generation
 
         def run() -> None:
             try:
                 wait()
             except BaseException as exc:  # handed to the caller below
                 outcome.append(exc)
+                # left for a change, this wait still ends naming a hung peer: the agreement
+                # under way counts it (_agree), instead of waiting out its silence
+                self._late.append((generation, tuple(getattr(exc, "peers", ()))))
             done.set()
 
         threading.Thread(target=run, name="decent_optim-membership-wait", daemon=False).start()
@@ -282,6 +291,17 @@ class Membership:
             for i in newcomers:  # they posted before they asked: none is waited for
                 if i not in view.members and store.check([self._key(g, f"join/{i}")]):
                     posted[i] = set()
+            late = {
+                view.members[r]
+                for at, rs in self._late
+                if at == g
+                for r in rs
+                if r < len(view.members)
+            }
+            if not late <= suspected | {self.me}:
+                suspected = suspected | late - {self.me}
+                store.set(self._key(g, f"alive/{self.me}"), _text(suspected))
+                continue
             silent = set(view.members) - set(posted)
             blamed = set().union(*posted.values())
             if not silent or (quick and silent <= blamed) or time.monotonic() >= deadline:
@@ -290,6 +310,7 @@ class Membership:
                 decided = _ids(won.decode() if isinstance(won, bytes) else won)
                 break
             time.sleep(self.poll)
+        self._late = [(at, ranks) for at, ranks in self._late if at > g]
         if self.me not in decided:
             raise MembershipError(
                 f"[id {self.me}] the other members rebuilt their group without this rank "
