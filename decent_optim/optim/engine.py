@@ -218,7 +218,9 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, 
         self._where = (start.group, start.device)  # of load_state_dict's cross-check
         self._flat, self._frozen, self._stash = start.flat, start.frozen, start.stash
         self._rounds = schedules.make_rounds(start.gossip, start.flat, global_avg_every, period)
-        self._rounds.live = live.attach(self, start, membership, on_membership_change, topology)
+        self._rounds.live = live.attach(
+            self, start, membership, on_membership_change, topology, compression
+        )
         self._flat_state = FlatState(start.flat.buckets, self.rule)
         self.state = self._flat_state.wrap(self.state)
         self._flat_state.prefill(self.state, self.param_groups)  # sharded only: see there
