@@ -52,6 +52,7 @@ during them; after a change the first three run over the new group (checkpoints 
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
     from decent_optim.optim.schedules import Schedule
     from decent_optim.optim.startup import Connected
 
-__all__ = ["Live", "attach", "check", "topology_for"]
+__all__ = ["Live", "attach", "check", "superseded", "topology_for"]
 
 #: the step-locked settings live membership supports, for the refusals' messages
 SUPPORTED = (
@@ -113,6 +114,29 @@ def check(
         refused.append(f"topology={topology!r} (it is built for one size; pass its name)")
     if refused:
         raise ValueError(f"{SUPPORTED}; not {', '.join(refused)}")
+
+
+def superseded(owner: Any, every: float = 0.2) -> Callable[[], bool]:
+    """Whether the group of the optimizer ``owner`` has changed, or a member started a change,
+    at least the membership's ``timeout`` ago (a live member's file arrives by then; a lost
+    one's never does), counted from this call; always False without ``membership=``. A
+    checkpoint's commit that waits for the ranks' files gives up then
+    (:mod:`decent_optim.checkpoint.saving`). Callable from another thread; it reads one store
+    key at most every ``every`` seconds, and stays True once it is."""
+    live = getattr(getattr(owner, "_rounds", None), "live", None)
+    if not isinstance(live, Live):
+        return lambda: False
+    generation, seen, last = live.view.generation, [], [-every]
+
+    def changed() -> bool:
+        now = time.monotonic()
+        if not seen and now - last[0] >= every:
+            last[0] = now
+            if live.view.generation != generation or live.membership.pending():
+                seen.append(now)
+        return bool(seen) and now - seen[0] >= live.membership.timeout
+
+    return changed
 
 
 def topology_for(name: str, view: View, local_world_size: int) -> Topology:
