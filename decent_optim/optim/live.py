@@ -126,7 +126,8 @@ def superseded(owner: Any, every: float = 0.2) -> Callable[[], bool]:
     live = getattr(getattr(owner, "_rounds", None), "live", None)
     if not isinstance(live, Live):
         return lambda: False
-    generation, seen, last = live.view.generation, [], [-every]
+    generation, last = live.view.generation, [-every]
+    seen: list[float] = []  # when a change was first seen
 
     def changed() -> bool:
         now = time.monotonic()
