@@ -1,10 +1,10 @@
 """Live membership with compressed gossip (issue 42): after a change the public copies start over.
 
 Four gloo ranks (every rank a node of its own, ``local_world_size=1``: every pair of the ring is
-compressed) train the small float64 model of ``_live`` with a codec; rank 2 SIGKILLs itself
-before its step ``KILL_AT``, or a fifth process joins after step ``JOIN_AT``. The survivors (and
-the newcomer) build the gossiper of the new ring with the same codec and no public copies, so
-each new pair's first round sends exact values, on every member alike.
+compressed) train the small float64 model of ``_live`` with a codec, and rank 2 SIGKILLs itself
+before its step ``KILL_AT``; or three do, and a fourth process joins after step ``JOIN_AT``. The
+survivors (and the newcomer) build the gossiper of the new ring with the same codec and no
+public copies, so each new pair's first round sends exact values, on every member alike.
 
 * int8: an independent dense float64 simulation of CHOCO gossip -- the ring's pairs on the new
   world, each keeping its two public copies, int8 quantization of the differences written out
@@ -13,7 +13,8 @@ each new pair's first round sends exact values, on every member alike.
 * ``"top10%+int4"`` (a sparse codec, not written out here): with plain SGD, every step after
   the change leaves the survivors' sum unchanged apart from the local updates
   (:math:`\\sum_i x_i^+ + \\eta g_i = \\sum_i x_i`), and rounds without local updates shrink their
-  distance to the mean.
+  distance to the mean. In the same run, before the kill, a newcomer built with another codec
+  asks to join and is refused.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from decent_optim import topologies
 
 TIMEOUT = 3.0  # seconds: the membership agreement's bound on each wait
 PATIENT = 30.0  # the optimizer's timeout: a loss is noticed by a closed connection or the store
-KILL_AT, VICTIM, JOIN_AT = 4, 2, 4
+KILL_AT, VICTIM, JOIN_AT, REFUSED_AT = 4, 2, 4, 2
 STEPS, LR = _live.STEPS, _live.LR
 GOSSIP_ONLY = 12  # steps with lr=0 after STEPS (the sparse codec's test): rounds and nothing else
 WAIT = datetime.timedelta(seconds=120)  # for a key of the other side, under load
@@ -90,13 +91,27 @@ def _member(rank, world_size, path, compression, kill, join, sgd=False):
         opt.step()
         opt.zero_grad()
         out["steps"].append((before, grad, _live.flat(params)))
-        if opt.membership.generation != generation and "changed" not in out:
+        if opt.membership.generation != generation:  # the last change
             out["changed"] = _record(opt, params, t + 1, sgd)
-        if join and rank == 0 and t + 1 == JOIN_AT:
+        if rank == 0 and t + 1 == join:
             store.set("go", "1")
             store.wait(["live/g0/change"], WAIT)  # the newcomer asked: noticed at the next round
     out["final"], out["view"] = _live.flat(params), tuple(opt.membership)
     return out
+
+
+def _refused(path, compression):
+    """A newcomer (DSGD) whose codec differs from the members': the ValueError it gets."""
+    from decent_optim.gossip.membership import Membership
+
+    store = _store(path)
+    store.wait(["go"], WAIT)
+    live = Membership(store, prefix="live", timeout=TIMEOUT, join=True)
+    try:
+        _optimizer(list(_live.model().parameters()), compression, True, live)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _newcomer(path, compression):
@@ -165,7 +180,7 @@ def _check_simulated(starts, members, finals):
 @pytest.mark.multiprocess
 def test_int8_survivors_train_on_as_the_dense_choco_simulation(tmp_path):
     results = run_world_fresh(
-        _member, 4, str(tmp_path), "int8", True, False, timeout=90, killed=(VICTIM,)
+        _member, 4, str(tmp_path), "int8", True, None, timeout=90, killed=(VICTIM,)
     )
     survivors = [r for r in range(4) if r != VICTIM]
     assert results[VICTIM] is None
@@ -181,7 +196,7 @@ def test_int8_newcomer_takes_the_source_state_and_trains_as_the_simulation(tmp_p
     path = str(tmp_path)
     alone = start_alone(_newcomer, path, "int8")
     try:
-        members = run_world_fresh(_member, 3, path, "int8", False, True, timeout=120)
+        members = run_world_fresh(_member, 3, path, "int8", False, JOIN_AT, timeout=120)
     finally:
         newcomer = alone.result(timeout=120)
     joined, source = newcomer["joined"], members[0]["changed"]
@@ -197,10 +212,19 @@ def test_int8_newcomer_takes_the_source_state_and_trains_as_the_simulation(tmp_p
 
 @pytest.mark.multiprocess
 def test_sparse_codec_keeps_the_survivors_mean_and_contracts(tmp_path):
-    results = run_world_fresh(
-        _member, 4, str(tmp_path), "top10%+int4", True, False, True, timeout=90, killed=(VICTIM,)
-    )
+    path, codec = str(tmp_path), "top10%+int4"
+    other = start_alone(_refused, path, "int8")
+    try:
+        results = run_world_fresh(
+            _member, 4, path, codec, True, REFUSED_AT, True, timeout=120, killed=(VICTIM,)
+        )
+    finally:
+        said = other.result(timeout=120)
+    assert said is not None and "compression=" in said and "join again" in said, said
     survivors = [results[r] for r in range(4) if r != VICTIM]
+    # took id 4 in, then dropped it and id 2 (in one agreement or two, as the kill falls)
+    for new_rank, out in enumerate(survivors):
+        assert out["view"][0] >= 2 and out["view"][1:3] == ((0, 1, 3), new_rank), out["view"]
     resume = max(out["changed"]["count"] for out in survivors)
     assert resume <= STEPS - 4, resume
     for t in range(resume, STEPS + GOSSIP_ONLY):

@@ -46,8 +46,10 @@ Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H``
 ``outer`` -- with exact or compressed gossip, over the default process group, a topology
 given by name, and one decentralized optimizer per process. Everything else is refused when the
 optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
-``consensus_distance()``, checkpoints) still raise a ``GossipError`` when a member is lost
-during them; after a change the first three run over the new group (checkpoints are untested).
+``consensus_distance()``, ``checkpoint.load``) still raise a ``GossipError`` when a member is
+lost during them; after a change the first three run over the new group. Checkpoints saved
+after a change are of the new world size, and a fresh world of that size resumes from them (a
+commit still waiting for a lost member's file gives up: :func:`superseded`).
 """
 
 from __future__ import annotations
