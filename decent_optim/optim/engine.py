@@ -189,9 +189,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, 
             wait_limit = check_timeout(timeout)
             check_global_avg_every(global_avg_every)
             period = schedules.check(local_steps, outer, global_avg_every, uneven)
-            live.check(
-                membership, on_membership_change, topology, process_group, compression, period
-            )
+            live.check(membership, on_membership_change, topology, process_group, period)
             flags = dict(maximize=maximize, foreach=foreach, fused=fused)
             flags.update(capturable=False, differentiable=False)
             hyper = defaults() if callable(defaults) else defaults

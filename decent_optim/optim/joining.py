@@ -12,8 +12,8 @@ the group). The constructor blocks until the members have let it in:
 2. everyone exchanges step counts; gossip resumes at the largest, :math:`R`;
 3. at the end of the step in which it rebuilt, the new rank 0 (the *source*) checks that the
    newcomer built the same optimizer (class, buckets, shapes, dtypes, state keys, schedule,
-   topology name, codec) and sends it, point to point over the new group, its parameters (the flat
-   buffers and the frozen ones), its optimizer state (every state buffer and the step
+   topology name, codec) and sends it, point to point over the new group, its parameters (the
+   flat buffers and the frozen ones), its optimizer state (every state buffer and the step
    counters) and its step count :math:`c_0`; a newcomer that differs gets a ``ValueError`` and
    is dropped by the members as a lost one;
 4. the newcomer builds the topology of the same name at the new size, counts from
@@ -189,8 +189,8 @@ def receive(owner: Any, resume: int) -> None:
         raise ValueError(
             f"[id {me}] this optimizer differs from the running members' (its class, the "
             "parameters' shapes, dtypes, names or order, the param groups' state keys, "
-            "local_steps, global_avg_every, the topology's name or compression=): build the same model and "
-            "optimizer as they did, then join again"
+            "local_steps, global_avg_every, the topology's name or compression=): build the "
+            "same model and optimizer as they did, then join again"
         )
     count, slot, width = head
     owner._flat.publish()

@@ -90,7 +90,6 @@ def check(
     on_change: object,
     topology: object,
     process_group: object,
-    compression: object,
     schedule: Schedule,
 ) -> None:
     """Refuse a ``membership=`` setting live membership does not support, saying what is."""
