@@ -32,12 +32,13 @@ def flat(tensors):
     return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
 
 
-def simulate(starts, members, local_steps):
+def simulate(starts, members, local_steps, mix=None):
     """The ranks from their states at a change of membership (``starts``: each one's ``x``,
     Adam's ``m``, ``v`` and ``step``, and its ``count``), in float64: rounds of the ring on
     ``len(members)`` ranks from the largest count on, ``torch.optim.AdamW`` on each one's own
     gradients (``members``: the data each one draws). A rank whose count is lower takes its
-    steps up to the largest without gossip."""
+    steps up to the largest without gossip. ``mix(k, sent)``, if given, replaces round ``k``'s
+    mixing matrix: it returns what each rank holds after the round (compressed gossip)."""
     topo = topologies.get("ring", len(members))
     resume = max(s["count"] for s in starts)
     net = model()
@@ -64,9 +65,11 @@ def simulate(starts, members, local_steps):
         launched = t + 1 - local_steps  # round k is launched at count kH >= resume
         if (t + 1) % local_steps == 0 and launched >= resume:
             assert all(active)
-            w = topo.mixing_matrix(launched // local_steps).double()
             sent = torch.stack(anchors)
-            mixed = w @ sent
+            if mix is None:
+                mixed = topo.mixing_matrix(launched // local_steps).double() @ sent
+            else:
+                mixed = torch.stack(mix(launched // local_steps, list(sent)))
             with torch.no_grad():
                 for i, p in enumerate(rows):
                     p.add_(mixed[i] - sent[i])

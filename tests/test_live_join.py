@@ -230,7 +230,6 @@ def _refusals(rank, world_size, path):
     live = Membership(_store(path), prefix="live", timeout=TIMEOUT)
     live.joining = True  # as a newcomer's, for the settings' checks before anything is sent
     for name, kwargs in {
-        "compression": dict(compression="int8"),
         "outer": dict(local_steps=2, outer="diloco"),
         "process_group": dict(process_group=dist.group.WORLD),
     }.items():
@@ -249,7 +248,7 @@ def test_joining_refusals(tmp_path):
 
     said = run_world(_refusals, 1, str(tmp_path))[0]
     assert "join=True) is for a process outside the running group" in said["initialized"]
-    for name in ("compression", "outer", "process_group"):
+    for name in ("outer", "process_group"):
         assert "membership= supports the step-locked schedules" in said[name], said[name]
     assert not dist.is_initialized()  # this process is in no group: it may join, not be a member
     with pytest.raises(RuntimeError, match="pass join=True in a process that joins"):

@@ -146,7 +146,6 @@ def _refusals(rank, world_size, path):
     live = Membership(dist.FileStore(os.path.join(path, "store"), -1), timeout=TIMEOUT)
     model = _live.model()
     cases = {
-        "compression": dict(compression="int8"),
         "uneven": dict(local_steps=2, uneven=Uneven()),
         "outer": dict(local_steps=2, outer="diloco"),
         "process_group": dict(process_group=dist.group.WORLD),
@@ -173,7 +172,6 @@ def _refusals(rank, world_size, path):
 def test_unsupported_settings_are_refused_at_construction(tmp_path):
     for said in run_world(_refusals, 4, str(tmp_path)):
         assert set(said) == {
-            "compression",
             "uneven",
             "outer",
             "process_group",
@@ -181,7 +179,7 @@ def test_unsupported_settings_are_refused_at_construction(tmp_path):
             "object",
             "callback",
         }, said
-        for name in ("compression", "uneven", "outer", "process_group", "topology"):
+        for name in ("uneven", "outer", "process_group", "topology"):
             assert "membership= supports the step-locked schedules" in said[name], said[name]
             assert name in said[name], said[name]
         assert "Membership(store" in said["object"] and "needs membership=" in said["callback"]

@@ -9,7 +9,11 @@ waits on a peer's gossip round, and a background save needs no communication fro
 Rank 0 of several commits in a thread: a peer that died before writing its file must not hold
 training (the run should fail at its next gossip round and restart, not wait here). The
 thread gives up after ``timeout`` seconds, or 30 s after the main thread has ended (a rank that
-fails exits promptly).
+fails exits promptly). With live membership (``membership=``) it also gives up, with a
+warning and no error, once the group has changed, or a member started a change, for the
+membership's ``timeout`` (:func:`decent_optim.optim.live.superseded`): a lost member's file
+never comes, the step folder stays without a manifest (the next ``load`` removes it), and the
+survivors' next saves, at their new world size, are committed as usual.
 
 ``background=True``: the call copies the state to CPU memory (a snapshot: training goes on
 changing the parameters) and returns; a thread writes the copy and, on rank 0, commits. The
@@ -35,6 +39,8 @@ import os
 import shutil
 import threading
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +49,7 @@ from torch import Tensor
 
 from decent_optim.checkpoint import directory, lineage, ownership, refusals, resize, writers
 from decent_optim.checkpoint.writers import wait
+from decent_optim.optim.live import superseded
 from decent_optim.optim.startup import topology_key
 from decent_optim.wrappers import unwrap
 
@@ -146,6 +153,7 @@ def save(
         payload = None
     writers.saved_into(folder_root, folder, commits=rank == 0)
     job = functools.partial(_write, folder_root, manifest, rank, payload, keep_last, timeout)
+    job.keywords["changed"] = superseded(opt)
     writers.start(folder_root, job)
     return folder
 
@@ -185,9 +193,10 @@ def _write(
     timeout: float,
     *,
     commit: bool = True,
+    changed: Callable[[], bool] = lambda: False,
 ) -> Path:
     """Write this rank's file (``payload`` None: written already); on rank 0 with ``commit``,
-    wait for the others' and commit the manifest."""
+    wait for the others' and commit the manifest, unless the group ``changed`` meanwhile."""
     folder = directory.step_folder(root, manifest.step)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -209,13 +218,27 @@ def _write(
             raise _not_saved(root, folder, err) from err
     if rank == 0 and commit:
         gone: list[float] = []
-        manifest.sizes = directory.wait_for_files(
-            folder,
-            manifest.files,
-            timeout,
-            give_up=lambda: _main_thread_gone(gone),
-            accept=lineage.written_by(manifest.save, resize.read),  # not an earlier save's
-        )
+        try:
+            manifest.sizes = directory.wait_for_files(
+                folder,
+                manifest.files,
+                timeout,
+                give_up=lambda: _main_thread_gone(gone) or changed(),
+                accept=lineage.written_by(manifest.save, resize.read),  # not an earlier save's
+            )
+        except TimeoutError:
+            if not changed():
+                raise
+            warnings.warn(
+                f"decent_optim.checkpoint.save: the checkpoint of step {manifest.step} in "
+                f"{folder} is not committed: the group changed (live membership) before every "
+                "rank had saved it. The complete checkpoints before it stay the newest; "
+                "the next load() removes this folder, and the next save() commits at the new "
+                "world size",
+                UserWarning,
+                stacklevel=1,
+            )
+            return folder
         try:
             directory.commit_manifest(folder, manifest)
         except directory.WriteError as err:

@@ -106,13 +106,15 @@ class CompressedGroup(AcrossNodes):
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the group (module docstring), copied."""
         flags = None if self._flags is None else [bool(v) for v in self._flags.tolist()]
+        # loaded and not sent yet: the round in flight is still to be sent with those payloads
+        sent = self._sent if self._resend is None else self._resend[1]
         return {
             "copies": [[c.clone() for c in held] for held in self._copies] if self._layout else [],
             "primed": self._primed,
             "flags": flags,
             "reported": self._reported,
             "round": self._round,
-            "sent": None if self._sent is None else [p.clone() for p in self._sent],
+            "sent": None if sent is None else [p.clone() for p in sent],
         }
 
     def loader(self, state: Any, buffers: Sequence[Tensor]) -> Callable[[], None]:

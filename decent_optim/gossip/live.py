@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from decent_optim.gossip.codec_base import Codec
 from decent_optim.gossip.collectives import channel, comm_device, gather_ints
 from decent_optim.gossip.failures import GossipError
 from decent_optim.gossip.gossiper import Gossiper
@@ -56,13 +57,15 @@ def regroup(
     *,
     timeout: datetime.timedelta | None,
     slot: int = 0,
+    compression: str | Codec | None = None,
 ) -> Regrouped:
     """Rebuild the default group without the lost members (``suspects``: ranks of the current
     group this rank believes dead) and gossip on it from now on.
 
     ``count``: this rank's step count at the end of the current step; ``topology``: the topology
-    for a view of the new group. A member lost while the survivors exchange their counts is
-    agreed on in one more generation. Raises
+    for a view of the new group; ``compression``: the optimizer's codec, whose public copies
+    start over on the new groups (see :func:`gossiper`). A member lost while the survivors
+    exchange their counts is agreed on in one more generation. Raises
     :class:`~decent_optim.gossip.membership.MembershipError` if this rank was left out.
     """
     ranks = list(suspects)
@@ -81,7 +84,7 @@ def regroup(
         except GossipError as err:
             ranks = list(err.peers)
             continue
-        gossip = gossiper(membership, topology(view), slot, timeout)
+        gossip = gossiper(membership, topology(view), slot, timeout, compression)
         return Regrouped(view, gossip, max(c[0] for c in counts), group)
     raise GossipError(
         f"[id {membership.me}] the survivors kept losing members while rebuilding their group "
@@ -90,12 +93,24 @@ def regroup(
 
 
 def gossiper(
-    membership: Membership, topology: Topology, slot: int, timeout: datetime.timedelta | None
+    membership: Membership,
+    topology: Topology,
+    slot: int,
+    timeout: datetime.timedelta | None,
+    compression: str | Codec | None = None,
 ) -> Gossiper:
     """Gossip with ``topology`` on the current default group, its waits watched by
-    ``membership``."""
+    ``membership``.
+
+    With ``compression``, its compressed groups are new ones, without public copies: their
+    first rounds send exact values, on every member alike (all of them build this gossiper at
+    the change, none primes it, since the members' parameters differ), as after a resume at
+    another world size; the copies of the old groups are dropped with the old gossiper.
+    """
     group = dist.group.WORLD
-    gossip = Gossiper(topology, channel(group, slot), timeout=timeout, slot=slot)
+    gossip = Gossiper(
+        topology, channel(group, slot), timeout=timeout, slot=slot, compression=compression
+    )
     gossip.watch = membership.watch
     return gossip
 

@@ -189,9 +189,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, 
             wait_limit = check_timeout(timeout)
             check_global_avg_every(global_avg_every)
             period = schedules.check(local_steps, outer, global_avg_every, uneven)
-            live.check(
-                membership, on_membership_change, topology, process_group, compression, period
-            )
+            live.check(membership, on_membership_change, topology, process_group, period)
             flags = dict(maximize=maximize, foreach=foreach, fused=fused)
             flags.update(capturable=False, differentiable=False)
             hyper = defaults() if callable(defaults) else defaults
@@ -218,7 +216,9 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, 
         self._where = (start.group, start.device)  # of load_state_dict's cross-check
         self._flat, self._frozen, self._stash = start.flat, start.frozen, start.stash
         self._rounds = schedules.make_rounds(start.gossip, start.flat, global_avg_every, period)
-        self._rounds.live = live.attach(self, start, membership, on_membership_change, topology)
+        self._rounds.live = live.attach(
+            self, start, membership, on_membership_change, topology, compression
+        )
         self._flat_state = FlatState(start.flat.buckets, self.rule)
         self.state = self._flat_state.wrap(self.state)
         self._flat_state.prefill(self.state, self.param_groups)  # sharded only: see there

@@ -12,13 +12,14 @@ the group). The constructor blocks until the members have let it in:
 2. everyone exchanges step counts; gossip resumes at the largest, :math:`R`;
 3. at the end of the step in which it rebuilt, the new rank 0 (the *source*) checks that the
    newcomer built the same optimizer (class, buckets, shapes, dtypes, state keys, schedule,
-   topology name) and sends it, point to point over the new group, its parameters (the flat
-   buffers and the frozen ones), its optimizer state (every state buffer and the step
+   topology name, codec) and sends it, point to point over the new group, its parameters (the
+   flat buffers and the frozen ones), its optimizer state (every state buffer and the step
    counters) and its step count :math:`c_0`; a newcomer that differs gets a ``ValueError`` and
    is dropped by the members as a lost one;
 4. the newcomer builds the topology of the same name at the new size, counts from
    :math:`c_0` (its steps up to :math:`R` are its own, without gossip, as a survivor catching
-   up) and gossips from round :math:`R` on, step-locked with the others.
+   up) and gossips from round :math:`R` on, step-locked with the others (with
+   ``compression=``, on new groups whose first rounds send exact values, as the members').
 
 What the newcomer holds is a copy of the source's state :math:`x_0` at count :math:`c_0`, not
 the mean, so the mean of the :math:`n+1` workers becomes
@@ -46,7 +47,7 @@ from torch import Tensor
 from decent_optim import topologies
 from decent_optim.flat import FlatParams
 from decent_optim.flat_checks import check_disjoint, check_flattenable
-from decent_optim.gossip import Gossiper, GossipError, comm_device
+from decent_optim.gossip import Gossiper, GossipError, codecs, comm_device
 from decent_optim.gossip.live import enter, give, take
 from decent_optim.gossip.membership import Membership as LiveMembership
 from decent_optim.gossip.membership import MembershipError
@@ -123,6 +124,7 @@ def fit(owner: Any) -> int:
             getattr(rounds, "local_steps", 1),
             rounds._every,
             live.topology,
+            None if live.compression is None else codecs.get(live.compression).name,
             layout,
             [owner.rule.keys(g) for g in owner.param_groups],
             [g.get("param_names") for g in owner.param_groups],
@@ -187,8 +189,8 @@ def receive(owner: Any, resume: int) -> None:
         raise ValueError(
             f"[id {me}] this optimizer differs from the running members' (its class, the "
             "parameters' shapes, dtypes, names or order, the param groups' state keys, "
-            "local_steps, global_avg_every or the topology's name): build the same model and "
-            "optimizer as they did, then join again"
+            "local_steps, global_avg_every, the topology's name or compression=): build the "
+            "same model and optimizer as they did, then join again"
         )
     count, slot, width = head
     owner._flat.publish()

@@ -36,16 +36,25 @@ read the store once per round (:meth:`Membership.pending
 <decent_optim.gossip.membership.Membership.pending>`, one key), take it in by the same steps
 2-4, and new rank 0 sends it its state (:mod:`decent_optim.optim.joining`).
 
+With ``compression=``, the public copies of compressed gossip
+(:mod:`decent_optim.gossip.compressed`) belong to the groups of the old topology: at a change
+every member (a newcomer too) builds its new gossiper with the same codec and no copies, so
+the first round of each new group sends exact values on all of them alike, as after a resume at
+another world size, and the copies are rebuilt from there.
+
 Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H`` without
-``outer`` -- with exact gossip (no ``compression``), over the default process group, a topology
+``outer`` -- with exact or compressed gossip, over the default process group, a topology
 given by name, and one decentralized optimizer per process. Everything else is refused when the
 optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
-``consensus_distance()``, checkpoints) still raise a ``GossipError`` when a member is lost
-during them; after a change the first three run over the new group (checkpoints are untested).
+``consensus_distance()``, ``checkpoint.load``) still raise a ``GossipError`` when a member is
+lost during them; after a change the first three run over the new group. Checkpoints saved
+after a change are of the new world size, and a fresh world of that size resumes from them (a
+commit still waiting for a lost member's file gives up: :func:`superseded`).
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -61,17 +70,18 @@ from decent_optim.topologies import Topology
 if TYPE_CHECKING:
     import datetime
 
+    from decent_optim.gossip.codec_base import Codec
     from decent_optim.optim.rounds import Rounds
     from decent_optim.optim.schedules import Schedule
     from decent_optim.optim.startup import Connected
 
-__all__ = ["Live", "attach", "check", "topology_for"]
+__all__ = ["Live", "attach", "check", "superseded", "topology_for"]
 
 #: the step-locked settings live membership supports, for the refusals' messages
 SUPPORTED = (
     "membership= supports the step-locked schedules (local_steps=1, or local_steps=H with "
-    "outer=None) with compression=None, over the default process group (process_group=None) "
-    "and a topology given by name"
+    "outer=None), exact or with compression=, over the default process group "
+    "(process_group=None) and a topology given by name"
 )
 
 
@@ -80,7 +90,6 @@ def check(
     on_change: object,
     topology: object,
     process_group: object,
-    compression: object,
     schedule: Schedule,
 ) -> None:
     """Refuse a ``membership=`` setting live membership does not support, saying what is."""
@@ -96,8 +105,6 @@ def check(
     if on_change is not None and not callable(on_change):
         raise TypeError(f"on_membership_change= must be callable, got {on_change!r}")
     refused = []
-    if compression is not None:
-        refused.append(f"compression={compression!r}")
     if schedule.uneven is not None:
         refused.append("uneven=True")
     if schedule.outer is not None:
@@ -108,6 +115,30 @@ def check(
         refused.append(f"topology={topology!r} (it is built for one size; pass its name)")
     if refused:
         raise ValueError(f"{SUPPORTED}; not {', '.join(refused)}")
+
+
+def superseded(owner: Any, every: float = 0.2) -> Callable[[], bool]:
+    """Whether the group of the optimizer ``owner`` has changed, or a member started a change,
+    at least the membership's ``timeout`` ago (a live member's file arrives by then; a lost
+    one's never does), counted from this call; always False without ``membership=``. A
+    checkpoint's commit that waits for the ranks' files gives up then
+    (:mod:`decent_optim.checkpoint.saving`). Callable from another thread; it reads one store
+    key at most every ``every`` seconds, and stays True once it is."""
+    live = getattr(getattr(owner, "_rounds", None), "live", None)
+    if not isinstance(live, Live):
+        return lambda: False
+    generation, last = live.view.generation, [-every]
+    seen: list[float] = []  # when a change was first seen
+
+    def changed() -> bool:
+        now = time.monotonic()
+        if not seen and now - last[0] >= every:
+            last[0] = now
+            if live.view.generation != generation or live.membership.pending():
+                seen.append(now)
+        return bool(seen) and now - seen[0] >= live.membership.timeout
+
+    return changed
 
 
 def topology_for(name: str, view: View, local_world_size: int) -> Topology:
@@ -140,13 +171,17 @@ def attach(
     membership: Membership | None,
     on_change: Callable[[View], object] | None,
     topology: object,
+    compression: str | Codec | None = None,
 ) -> Live | None:
-    """The live membership of the optimizer ``owner`` just started (``start``), if it has one."""
+    """The live membership of the optimizer ``owner`` just started (``start``), if it has one
+    (``compression``: its codec, for the gossipers of the groups to come)."""
     if membership is None or not isinstance(start.gossip, Gossiper):
         return None  # a world of one has nobody to lose
     start.gossip.watch = membership.watch
     width, timeout = start.topology.local_world_size, start.gossip.timeout
-    return Live(owner, membership, on_change, str(topology), width, timeout, start.member.slot)
+    live = Live(owner, membership, on_change, str(topology), width, timeout, start.member.slot)
+    live.compression = compression
+    return live
 
 
 class Live:
@@ -168,6 +203,7 @@ class Live:
         self.timeout, self.slot = timeout, slot
         self.resume = 0  # rounds below this are not launched (a survivor catching up)
         self.joiners: tuple[int, ...] = ()  # newcomers this rank (the source) owes the state
+        self.compression: str | Codec | None = None  # the codec of every gossiper it builds
 
     @property
     def view(self) -> View:
@@ -222,6 +258,7 @@ class Live:
             lambda view: topology_for(self.topology, view, self.width),
             timeout=self.timeout,
             slot=self.slot,
+            compression=self.compression,
         )
         rounds.gossip, self.resume = new.gossip, new.resume
         if new.view.rank == 0:  # the source of the newcomers' state (optim.joining)
@@ -238,5 +275,5 @@ class Live:
         topo = topology_for(self.topology, self.view, width)
         owner = self._owner()
         assert owner is not None  # the newcomer's constructor calls this
-        owner._rounds.gossip = gossiper(self.membership, topo, slot, self.timeout)
+        owner._rounds.gossip = gossiper(self.membership, topo, slot, self.timeout, self.compression)
         return topo
