@@ -83,9 +83,17 @@ def batch(member: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(store_address: str, steps: int, timeout: float, pause: float, join: bool) -> None:
-    host, port = store_address.rsplit(":", 1)
+    under_torchrun = store_address == "torchrun"
+    if under_torchrun:  # the agents' rendezvous store, which no worker hosts (the docs say how)
+        host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    else:
+        host, port = store_address.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True)
-    if join:  # a newcomer: no init_process_group, joining builds the group
+    if under_torchrun and not join:
+        rank = int(os.environ["RANK"])
+        dist.init_process_group("gloo")  # torchrun's rendezvous
+        live = Membership(store, prefix="example/live", timeout=timeout)
+    elif join:  # a newcomer: no init_process_group, joining builds the group
         rank = -1
         live = Membership(store, prefix="example/live", timeout=timeout, join=True)
         started = float(os.environ["LIVE_STARTED"])

@@ -52,8 +52,10 @@ CASES = [
 ]
 
 
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def _run(
+    cmd: list[str], cwd: Path, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     # the checkout's decent_optim wins over an installed one, as in conftest.py
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     for var in (
@@ -155,3 +157,15 @@ def test_uneven_workers_evaluates_at_the_end_and_resumes_with_its_budget(tmp_pat
     again, end, summary = rounds(out)
     assert f"(resumed at round {stopped})" in summary, out
     assert again[-1] == end > stopped and float(summary.split(", ")[-1].split()[0]) >= 20, out
+
+
+@pytest.mark.multiprocess
+def test_live_membership_example_trains_on_after_a_kill(tmp_path: Path) -> None:
+    """examples/live_membership.py as docs/surviving_failures.rst runs it: rank 2 SIGKILLs
+    itself before step 6 and the three others finish every step in a group of 3."""
+    env = {"LIVE_KILL": "2:6"}
+    script = [sys.executable, str(EXAMPLES / "live_membership.py"), "--workers", "4"]
+    out = _run([*script, "--steps", "12"], cwd=tmp_path, extra_env=env).stdout
+    done = [x for x in out.splitlines() if "] done: 12 steps" in x]
+    assert len(done) == 3 and all(x.endswith("world size 3") for x in done), out
+    assert "exit codes by rank: [0, 0, -9, 0]" in out, out

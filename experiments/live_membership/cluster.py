@@ -178,7 +178,8 @@ def worker(args: argparse.Namespace) -> None:
     model = work.make_model()
     opt = DecentralizedAdamW(
         model.parameters(), lr=args.lr, topology=args.topology, timeout=4 * args.timeout,
-        local_world_size=args.per_node, membership=live,
+        local_world_size=args.per_node, membership=live, compression=args.compression,
+        local_steps=args.local_steps,
     )  # fmt: skip
     view = live.view
     me = view.members[view.rank]
@@ -195,7 +196,9 @@ def worker(args: argparse.Namespace) -> None:
 
     def dump(step: int) -> None:
         flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
-        torch.save(flat, workdir / "params" / f"{me}-{step}.pt")
+        path = workdir / "params" / f"{me}-{step}.pt"
+        torch.save(flat, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)  # whole, even if this worker is killed while saving
 
     for step in range(first, args.steps):
         begin = time.perf_counter()
@@ -238,6 +241,8 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=6e-3)
     parser.add_argument("--topology", default="ring")
+    parser.add_argument("--compression", help="the optimizer's, e.g. int8")
+    parser.add_argument("--local-steps", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=5.0, help="Membership's, in seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dump-every", type=int, default=25)

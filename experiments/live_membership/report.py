@@ -133,6 +133,7 @@ def show(out: dict) -> None:
     peak = max(d for _, _, d in out["consensus"])
     last = out["consensus"][-1]
     print(f"consensus distance: max {peak:.4f}, final {last[2]:.2e} over {last[1]} workers")
+    print("  by step: " + ", ".join(f"{s}: {d:.3f} ({n})" for s, n, d in out["consensus"]))
     print(f"held-out loss of the final members' mean: {out['held_out']:.4f}")
     for path, loss in out["versus"].items():
         print(f"  versus {path}: {loss:.4f} (ratio {out['held_out'] / loss:.4f})")
