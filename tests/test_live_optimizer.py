@@ -140,14 +140,13 @@ def test_membership_without_a_fault_changes_nothing(tmp_path):
 def _refusals(rank, world_size, path):
     import torch.distributed as dist
 
-    from decent_optim import DecentralizedAdamW, Uneven, topologies
+    from decent_optim import DecentralizedAdamW, topologies
     from decent_optim.gossip.membership import Membership
 
     live = Membership(dist.FileStore(os.path.join(path, "store"), -1), timeout=TIMEOUT)
     model = _live.model()
     cases = {
         "compression": dict(compression="int8"),
-        "uneven": dict(local_steps=2, uneven=Uneven()),
         "outer": dict(local_steps=2, outer="diloco"),
         "process_group": dict(process_group=dist.group.WORLD),
         "topology": dict(topology=topologies.get("ring", world_size)),
@@ -174,15 +173,14 @@ def test_unsupported_settings_are_refused_at_construction(tmp_path):
     for said in run_world(_refusals, 4, str(tmp_path)):
         assert set(said) == {
             "compression",
-            "uneven",
             "outer",
             "process_group",
             "topology",
             "object",
             "callback",
         }, said
-        for name in ("compression", "uneven", "outer", "process_group", "topology"):
-            assert "membership= supports the step-locked schedules" in said[name], said[name]
+        for name in ("compression", "outer", "process_group", "topology"):
+            assert "membership= supports local_steps=1" in said[name], said[name]
             assert name in said[name], said[name]
         assert "Membership(store" in said["object"] and "needs membership=" in said["callback"]
 

@@ -37,9 +37,10 @@ read the store once per round (:meth:`Membership.pending
 2-4, and new rank 0 sends it its state (:mod:`decent_optim.optim.joining`).
 
 Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H`` without
-``outer`` -- with exact gossip (no ``compression``), over the default process group, a topology
-given by name, and one decentralized optimizer per process. Everything else is refused when the
-optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
+``outer`` -- and ``uneven=True`` without ``outer`` (a loss; a newcomer cannot join such a run:
+:mod:`~decent_optim.optim.uneven_live`), with exact gossip (no ``compression``), over the
+default process group, a topology given by name, and one decentralized optimizer per process.
+Everything else is refused when the optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
 ``consensus_distance()``, checkpoints) still raise a ``GossipError`` when a member is lost
 during them; after a change the first three run over the new group (checkpoints are untested).
 """
@@ -67,11 +68,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Live", "attach", "check", "topology_for"]
 
-#: the step-locked settings live membership supports, for the refusals' messages
+#: the settings live membership supports, for the refusals' messages
 SUPPORTED = (
-    "membership= supports the step-locked schedules (local_steps=1, or local_steps=H with "
-    "outer=None) with compression=None, over the default process group (process_group=None) "
-    "and a topology given by name"
+    "membership= supports local_steps=1, or local_steps=H with outer=None (uneven=True too, "
+    "but a newcomer cannot join such a run), with compression=None, over the default process "
+    "group (process_group=None) and a topology given by name"
 )
 
 
@@ -98,8 +99,8 @@ def check(
     refused = []
     if compression is not None:
         refused.append(f"compression={compression!r}")
-    if schedule.uneven is not None:
-        refused.append("uneven=True")
+    if schedule.uneven is not None and getattr(membership, "joining", False):
+        refused.append("uneven=True in a newcomer (Membership(join=True))")
     if schedule.outer is not None:
         refused.append(f"outer={schedule.outer!r}")
     if process_group is not None:

@@ -1,0 +1,203 @@
+"""Live membership with ``uneven=True`` (issue 42): a worker lost while the others step unevenly.
+
+Four gloo ranks train ``tests/_live.py``'s float64 model with DSGD (plain SGD steps) on the
+ring, ``local_steps=2, uneven=True``, one rank slowed by a sleep per step, until a budget
+(``opt.stop_at``; the loop ends on ``opt.stopped``). One rank is SIGKILLed mid-run, or
+SIGSTOPped (hung: declared dead after the timeout). Every survivor records, from the step in
+which its group was rebuilt, its parameters, and then per step whether it launched or mixed a
+round. The test checks that every survivor's loop ended, that their views agree, and replays
+the survivors from their parameters at the change in float64 -- the ring's mixing matrix on 3
+ranks, SGD on each one's own gradients, at the steps each one recorded -- written from
+decent_optim.optim.uneven's docstring alone; it also checks that the survivors' sum moved by
+their local updates only and that mixing kept them closer than training alone would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import _live
+import pytest
+import torch
+from _harness import run_world_fresh
+
+from decent_optim.topologies import get as get_topology
+
+TIMEOUT = 4.0  # seconds: the membership agreement's bound on each wait
+LOCAL_STEPS, BUDGET, LR = 2, 80, 0.01
+SURVIVORS = (0, 1, 3)
+FAULT_AT = 4  # the victim's step at which it is killed or stopped
+
+
+def _train(rank, world_size, path, victim, fault, patient, sleeps):
+    import torch.distributed as dist
+
+    from decent_optim import DSGD
+    from decent_optim.gossip.membership import Membership
+
+    store = dist.FileStore(os.path.join(path, "store"), -1)
+    live = Membership(store, prefix="live", timeout=TIMEOUT)
+    model, changes = _live.model(), []
+    opt = DSGD(
+        model.parameters(),
+        lr=LR,
+        topology="ring",
+        timeout=patient,
+        local_steps=LOCAL_STEPS,
+        uneven=True,
+        membership=live,
+        on_membership_change=changes.append,
+    )
+    params, out, steps = list(model.parameters()), {}, []
+    opt.stop_at(BUDGET)
+    t = 0
+    while not opt.stopped:
+        if rank == victim and t == FAULT_AT:
+            if fault == signal.SIGSTOP:  # a survivor kills it once they are done
+                with open(os.path.join(path, "victim"), "w") as f:
+                    f.write(str(os.getpid()))
+            os.kill(os.getpid(), fault)
+        time.sleep(sleeps[rank])
+        _loss(model, rank, t).backward()
+        grad = _live.flat(p.grad for p in params)
+        generation, launched, mixed = opt.membership.generation, opt._rounds.launched, opt.round
+        opt.step()
+        opt.zero_grad()
+        # the steps at which this rank mixed and launched rounds (None: it did not)
+        went = opt._rounds.launched if opt._rounds.launched != launched else None
+        if opt.membership.generation != generation:
+            out["changed"] = {"t": t, "x": _live.flat(params), "round": opt.round}
+            out["grads"] = torch.zeros_like(grad)
+            # the change sets the rounds launched to the round; a launch in the same step
+            went = opt.round + 1 if opt._rounds.launched > opt.round else None
+            steps = out["steps"] = [(t, None, went)]
+        elif "changed" in out:
+            out["grads"] += grad
+            steps.append((t, opt.round if opt.round != mixed else None, went))
+        t += 1
+    out["final"], out["round"], out["progress"] = _live.flat(params), opt.round, opt.progress
+    out["view"], out["changes"] = tuple(opt.membership), [tuple(v) for v in changes]
+    if fault == signal.SIGSTOP and rank == 0:
+        with open(os.path.join(path, "victim")) as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+    return out
+
+
+def _loss(model, member, t):
+    """``_live.loss`` with targets shifted by the member id: workers whose optima differ, so
+    that training alone drives them apart, and gossip must keep them together."""
+    gen = torch.Generator().manual_seed(1000 * member + t)
+    x = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    y = torch.randn(5, 2, generator=gen, dtype=torch.float64) + member
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _gradient(net, x, member, t):
+    torch.nn.utils.vector_to_parameters(x.clone(), net.parameters())
+    net.zero_grad()
+    _loss(net, member, t).backward()
+    return _live.flat(p.grad for p in net.parameters())
+
+
+def _replay(runs):
+    """The survivors from their parameters at the change, in float64: at each recorded step the
+    gradient at the unmixed parameters, the mix ``x_i += sum_j w_ij a_j - a_i`` of the round
+    it mixed, the SGD step, and ``a_i = x_i`` when it launched a round."""
+    topo, net = get_topology("ring", len(runs)), _live.model()
+    x = [r["changed"]["x"].clone() for r in runs]
+    todo = [list(r["steps"]) for r in runs]
+    anchors: dict[int, list] = {}
+    mixes: dict[int, torch.Tensor] = {}
+
+    def step(i, t, mixed, went, first):
+        if not first:  # the step of the change is in x already
+            g = _gradient(net, x[i], SURVIVORS[i], t)
+            if mixed is not None:
+                x[i] = x[i] + mixes[mixed][i] - anchors[mixed][i]
+            x[i] = x[i] - LR * g
+        if went is not None:
+            anchors.setdefault(went, [None] * len(runs))[i] = x[i].clone()
+
+    first = [True] * len(runs)
+    while any(todo):
+        moved = False
+        for i, left in enumerate(todo):
+            while left and (left[0][1] is None or left[0][1] in mixes):
+                step(i, *left.pop(0), first[i])
+                first[i], moved = False, True
+        for k, sent in anchors.items():
+            if k not in mixes and all(a is not None for a in sent):
+                mixes[k] = topo.mixing_matrix(k).double() @ torch.stack(sent)
+                moved = True
+        assert moved, ("no survivor can go on: a round mixed before all launched it", runs)
+    return x, sorted(mixes)
+
+
+def _spread(xs):
+    stack = torch.stack(xs)
+    return float(((stack - stack.mean(0)) ** 2).sum(1).mean())
+
+
+def _check(results, victim):
+    assert results[victim] is None, results[victim]
+    runs = [results[m] for m in SURVIVORS]
+    lost = tuple(sorted(set(range(4)) - set(SURVIVORS)))
+    for new_rank, run in enumerate(runs):
+        view = (1, SURVIVORS, new_rank, lost)
+        assert run["view"] == view and run["changes"] == [view], (run["view"], run["changes"])
+        # the budget: S / n' + H reached it at the last round (module docstring)
+        assert run["progress"] >= BUDGET - LOCAL_STEPS + 1, run["progress"]
+    # every survivor went on at the same round and stopped after the same round
+    assert len({r["changed"]["round"] for r in runs}) == 1, [r["changed"] for r in runs]
+    assert len({r["round"] for r in runs}) == 1, [r["round"] for r in runs]
+    want, mixed = _replay(runs)
+    start = runs[0]["changed"]["round"]
+    assert mixed == list(range(start + 1, runs[0]["round"] + 1)), mixed
+    assert len(mixed) >= 3, f"too few rounds after the change for the test to say much: {mixed}"
+    for run, x in zip(runs, want):
+        torch.testing.assert_close(run["final"], x, rtol=0, atol=1e-10)
+    # gossip keeps the survivors' sum: it moved by their SGD steps only
+    moved = sum(r["final"] for r in runs) - sum(r["changed"]["x"] for r in runs)
+    torch.testing.assert_close(moved, -LR * sum(r["grads"] for r in runs), rtol=0, atol=1e-10)
+    # and kept them closer than the same steps without mixing (torch.optim.SGD alone)
+    alone = []
+    for member, run in zip(SURVIVORS, runs):
+        net = _live.model()
+        torch.nn.utils.vector_to_parameters(run["changed"]["x"].clone(), net.parameters())
+        sgd = torch.optim.SGD(net.parameters(), lr=LR)
+        for t, _, _ in run["steps"][1:]:
+            sgd.zero_grad()
+            _loss(net, member, t).backward()
+            sgd.step()
+        alone.append(_live.flat(net.parameters()))
+    together, apart = _spread([r["final"] for r in runs]), _spread(alone)
+    assert together < 0.5 * apart, (together, apart)
+
+
+@pytest.mark.multiprocess
+def test_survivors_of_a_killed_rank_finish_as_the_dense_replay(tmp_path):
+    sleeps = (0.0, 0.03, 0.0, 0.0)  # rank 1 is slow; rank 2 is killed at its step 4
+    args = (str(tmp_path), 2, signal.SIGKILL, 30.0, sleeps)
+    results = run_world_fresh(_train, 4, *args, timeout=120, killed=(2,))
+    _check(results, victim=2)
+
+
+@pytest.mark.multiprocess
+def test_a_slow_rank_that_hangs_is_declared_dead_after_the_timeout(tmp_path):
+    sleeps = (0.0, 0.0, 0.03, 0.0)  # rank 2 is slow, then stops (SIGSTOP) at its step 4
+    args = (str(tmp_path), 2, signal.SIGSTOP, 5.0, sleeps)
+    results = run_world_fresh(_train, 4, *args, timeout=120, killed=(2,))
+    _check(results, victim=2)
+
+
+def test_a_newcomer_with_uneven_is_refused_at_construction(tmp_path):
+    import torch.distributed as dist
+
+    from decent_optim import DSGD
+    from decent_optim.gossip.membership import Membership
+
+    live = Membership(dist.FileStore(str(tmp_path / "store"), -1), join=True)
+    with pytest.raises(ValueError, match=r"uneven=True in a newcomer \(Membership\(join=True\)\)"):
+        DSGD(_live.model().parameters(), lr=LR, local_steps=2, uneven=True, membership=live)
