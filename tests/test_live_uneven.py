@@ -14,6 +14,7 @@ their local updates only and that mixing kept them closer than training alone wo
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import time
@@ -21,7 +22,7 @@ import time
 import _live
 import pytest
 import torch
-from _harness import run_world_fresh
+from _harness import run_world_fresh, start_alone
 
 from decent_optim.topologies import get as get_topology
 
@@ -29,18 +30,14 @@ TIMEOUT = 4.0  # seconds: the membership agreement's bound on each wait
 LOCAL_STEPS, BUDGET, LR = 2, 80, 0.01
 SURVIVORS = (0, 1, 3)
 FAULT_AT = 4  # the victim's step at which it is killed or stopped
+JOIN_AT = 4  # rank 0's step after which the newcomer asks to join
+WAIT = datetime.timedelta(seconds=120)  # for a key of the other side, under load
 
 
-def _train(rank, world_size, path, victim, fault, patient, sleeps):
-    import torch.distributed as dist
-
+def _optimizer(model, live, patient, changes=None):
     from decent_optim import DSGD
-    from decent_optim.gossip.membership import Membership
 
-    store = dist.FileStore(os.path.join(path, "store"), -1)
-    live = Membership(store, prefix="live", timeout=TIMEOUT)
-    model, changes = _live.model(), []
-    opt = DSGD(
+    return DSGD(
         model.parameters(),
         lr=LR,
         topology="ring",
@@ -48,40 +45,84 @@ def _train(rank, world_size, path, victim, fault, patient, sleeps):
         local_steps=LOCAL_STEPS,
         uneven=True,
         membership=live,
-        on_membership_change=changes.append,
+        on_membership_change=None if changes is None else changes.append,
     )
-    params, out, steps = list(model.parameters()), {}, []
+
+
+def _loop(opt, model, member, out, sleep=0.0, hook=None):
+    """Train to the budget; from the step in which the group was rebuilt (or from the start:
+    a newcomer sets ``out["steps"]``) record per step whether it mixed and launched a round,
+    and sum the gradients of the steps after it."""
+    params, steps = list(model.parameters()), out.get("steps")
     opt.stop_at(BUDGET)
     t = 0
     while not opt.stopped:
+        if hook is not None:
+            hook(t)
+        time.sleep(sleep)
+        _loss(model, member, t).backward()
+        grad, before = _live.flat(p.grad for p in params), _live.flat(params)
+        generation, launched, mixed = opt.membership.generation, opt._rounds.launched, opt.round
+        opt.step()
+        opt.zero_grad()
+        went = opt._rounds.launched if opt._rounds.launched != launched else None
+        if opt.membership.generation != generation:
+            out["changed"] = {"x": _live.flat(params), "before": before, "round": opt.round}
+            out["grads"] = torch.zeros_like(grad)
+            # the change sets the rounds launched to the round; a launch in the same step
+            went = opt.round + 1 if opt._rounds.launched > opt.round else None
+            steps = out["steps"] = [(t, None, went)]
+        elif steps is not None:
+            out["grads"] += grad
+            steps.append((t, opt.round if opt.round != mixed else None, went))
+        t += 1
+    out["final"], out["round"], out["progress"] = _live.flat(params), opt.round, opt.progress
+    out["view"] = tuple(opt.membership)
+    return out
+
+
+def _membership(path, join=False):
+    import torch.distributed as dist
+
+    from decent_optim.gossip.membership import Membership
+
+    store = dist.FileStore(os.path.join(path, "store"), -1)
+    return store, Membership(store, prefix="live", timeout=TIMEOUT, join=join)
+
+
+def _train(rank, world_size, path, victim, fault, patient, sleeps):
+    store, live = _membership(path)
+    model, changes = _live.model(), []
+    opt = _optimizer(model, live, patient, changes)
+
+    def fault_or_join(t):
         if rank == victim and t == FAULT_AT:
             if fault == signal.SIGSTOP:  # a survivor kills it once they are done
                 with open(os.path.join(path, "victim"), "w") as f:
                     f.write(str(os.getpid()))
             os.kill(os.getpid(), fault)
-        time.sleep(sleeps[rank])
-        _loss(model, rank, t).backward()
-        grad = _live.flat(p.grad for p in params)
-        generation, launched, mixed = opt.membership.generation, opt._rounds.launched, opt.round
-        opt.step()
-        opt.zero_grad()
-        # the steps at which this rank mixed and launched rounds (None: it did not)
-        went = opt._rounds.launched if opt._rounds.launched != launched else None
-        if opt.membership.generation != generation:
-            out["changed"] = {"t": t, "x": _live.flat(params), "round": opt.round}
-            out["grads"] = torch.zeros_like(grad)
-            # the change sets the rounds launched to the round; a launch in the same step
-            went = opt.round + 1 if opt._rounds.launched > opt.round else None
-            steps = out["steps"] = [(t, None, went)]
-        elif "changed" in out:
-            out["grads"] += grad
-            steps.append((t, opt.round if opt.round != mixed else None, went))
-        t += 1
-    out["final"], out["round"], out["progress"] = _live.flat(params), opt.round, opt.progress
-    out["view"], out["changes"] = tuple(opt.membership), [tuple(v) for v in changes]
+        if victim is None and rank == 0 and t == JOIN_AT:
+            store.set("go", "1")
+            store.wait(["live/g0/change"], WAIT)  # the newcomer asked: noticed at a launch
+
+    out = _loop(opt, model, rank, {}, sleeps[rank], fault_or_join)
+    out["changes"] = [tuple(v) for v in changes]
     if fault == signal.SIGSTOP and rank == 0:
         with open(os.path.join(path, "victim")) as f:
             os.kill(int(f.read()), signal.SIGKILL)
+    return out
+
+
+def _newcomer(path, patient):
+    store, live = _membership(path, join=True)
+    store.wait(["go"], WAIT)
+    model = _live.model(seed=1)  # of other values: the state comes from the source
+    opt = _optimizer(model, live, patient)
+    out = {"changed": {"x": _live.flat(model.parameters()), "round": opt.round}}
+    out["grads"], out["steps"] = torch.zeros_like(out["changed"]["x"]), [(None, None, None)]
+    me = opt.membership.members[opt.membership.rank]
+    out = _loop(opt, model, me, out)
+    out["changes"] = [tuple(opt.membership)]  # no callback on a newcomer: its view instead
     return out
 
 
@@ -101,7 +142,7 @@ def _gradient(net, x, member, t):
     return _live.flat(p.grad for p in net.parameters())
 
 
-def _replay(runs):
+def _replay(runs, members):
     """The survivors from their parameters at the change, in float64: at each recorded step the
     gradient at the unmixed parameters, the mix ``x_i += sum_j w_ij a_j - a_i`` of the round
     it mixed, the SGD step, and ``a_i = x_i`` when it launched a round."""
@@ -113,7 +154,7 @@ def _replay(runs):
 
     def step(i, t, mixed, went, first):
         if not first:  # the step of the change is in x already
-            g = _gradient(net, x[i], SURVIVORS[i], t)
+            g = _gradient(net, x[i], members[i], t)
             if mixed is not None:
                 x[i] = x[i] + mixes[mixed][i] - anchors[mixed][i]
             x[i] = x[i] - LR * g
@@ -140,19 +181,17 @@ def _spread(xs):
     return float(((stack - stack.mean(0)) ** 2).sum(1).mean())
 
 
-def _check(results, victim):
-    assert results[victim] is None, results[victim]
-    runs = [results[m] for m in SURVIVORS]
-    lost = tuple(sorted(set(range(4)) - set(SURVIVORS)))
+def _check(runs, members, lost):
+    """``runs`` by new rank, of the ``members`` (ids) of generation 1, ``lost`` the ids lost."""
     for new_rank, run in enumerate(runs):
-        view = (1, SURVIVORS, new_rank, lost)
+        view = (1, members, new_rank, lost)
         assert run["view"] == view and run["changes"] == [view], (run["view"], run["changes"])
         # the budget: S / n' + H reached it at the last round (module docstring)
         assert run["progress"] >= BUDGET - LOCAL_STEPS + 1, run["progress"]
     # every survivor went on at the same round and stopped after the same round
     assert len({r["changed"]["round"] for r in runs}) == 1, [r["changed"] for r in runs]
     assert len({r["round"] for r in runs}) == 1, [r["round"] for r in runs]
-    want, mixed = _replay(runs)
+    want, mixed = _replay(runs, members)
     start = runs[0]["changed"]["round"]
     assert mixed == list(range(start + 1, runs[0]["round"] + 1)), mixed
     assert len(mixed) >= 3, f"too few rounds after the change for the test to say much: {mixed}"
@@ -163,7 +202,7 @@ def _check(results, victim):
     torch.testing.assert_close(moved, -LR * sum(r["grads"] for r in runs), rtol=0, atol=1e-10)
     # and kept them closer than the same steps without mixing (torch.optim.SGD alone)
     alone = []
-    for member, run in zip(SURVIVORS, runs):
+    for member, run in zip(members, runs):
         net = _live.model()
         torch.nn.utils.vector_to_parameters(run["changed"]["x"].clone(), net.parameters())
         sgd = torch.optim.SGD(net.parameters(), lr=LR)
@@ -181,7 +220,8 @@ def test_survivors_of_a_killed_rank_finish_as_the_dense_replay(tmp_path):
     sleeps = (0.0, 0.03, 0.0, 0.0)  # rank 1 is slow; rank 2 is killed at its step 4
     args = (str(tmp_path), 2, signal.SIGKILL, 30.0, sleeps)
     results = run_world_fresh(_train, 4, *args, timeout=120, killed=(2,))
-    _check(results, victim=2)
+    assert results[2] is None, results[2]
+    _check([results[m] for m in SURVIVORS], SURVIVORS, (2,))
 
 
 @pytest.mark.multiprocess
@@ -189,15 +229,19 @@ def test_a_slow_rank_that_hangs_is_declared_dead_after_the_timeout(tmp_path):
     sleeps = (0.0, 0.0, 0.03, 0.0)  # rank 2 is slow, then stops (SIGSTOP) at its step 4
     args = (str(tmp_path), 2, signal.SIGSTOP, 5.0, sleeps)
     results = run_world_fresh(_train, 4, *args, timeout=120, killed=(2,))
-    _check(results, victim=2)
+    assert results[2] is None, results[2]
+    _check([results[m] for m in SURVIVORS], SURVIVORS, (2,))
 
 
-def test_a_newcomer_with_uneven_is_refused_at_construction(tmp_path):
-    import torch.distributed as dist
-
-    from decent_optim import DSGD
-    from decent_optim.gossip.membership import Membership
-
-    live = Membership(dist.FileStore(str(tmp_path / "store"), -1), join=True)
-    with pytest.raises(ValueError, match=r"uneven=True in a newcomer \(Membership\(join=True\)\)"):
-        DSGD(_live.model().parameters(), lr=LR, local_steps=2, uneven=True, membership=live)
+@pytest.mark.multiprocess
+def test_a_newcomer_joins_uneven_ranks_and_all_finish_as_the_dense_replay(tmp_path):
+    path = str(tmp_path)
+    alone = start_alone(_newcomer, path, 30.0)  # asks to join after rank 0's step 4
+    try:
+        members = run_world_fresh(_train, 3, path, None, None, 30.0, (0.0, 0.03, 0.0), timeout=120)
+    finally:
+        newcomer = alone.result(timeout=120)
+    _check([*members, newcomer], (0, 1, 2, 3), ())
+    # the newcomer took the source's (new rank 0's) parameters, at the step in which it rebuilt
+    source = members[0]["changed"]
+    assert any(torch.equal(newcomer["changed"]["x"], source[k]) for k in ("before", "x"))

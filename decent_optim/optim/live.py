@@ -37,8 +37,8 @@ read the store once per round (:meth:`Membership.pending
 2-4, and new rank 0 sends it its state (:mod:`decent_optim.optim.joining`).
 
 Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H`` without
-``outer`` -- and ``uneven=True`` without ``outer`` (a loss; a newcomer cannot join such a run:
-:mod:`~decent_optim.optim.uneven_live`), with exact gossip (no ``compression``), over the
+``outer`` -- and ``uneven=True`` without ``outer``
+(:mod:`~decent_optim.optim.uneven_live`), with exact gossip (no ``compression``), over the
 default process group, a topology given by name, and one decentralized optimizer per process.
 Everything else is refused when the optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
 ``consensus_distance()``, checkpoints) still raise a ``GossipError`` when a member is lost
@@ -70,9 +70,9 @@ __all__ = ["Live", "attach", "check", "topology_for"]
 
 #: the settings live membership supports, for the refusals' messages
 SUPPORTED = (
-    "membership= supports local_steps=1, or local_steps=H with outer=None (uneven=True too, "
-    "but a newcomer cannot join such a run), with compression=None, over the default process "
-    "group (process_group=None) and a topology given by name"
+    "membership= supports local_steps=1, or local_steps=H with outer=None (uneven=True too), "
+    "with compression=None, over the default process group (process_group=None) and a "
+    "topology given by name"
 )
 
 
@@ -99,8 +99,6 @@ def check(
     refused = []
     if compression is not None:
         refused.append(f"compression={compression!r}")
-    if schedule.uneven is not None and getattr(membership, "joining", False):
-        refused.append("uneven=True in a newcomer (Membership(join=True))")
     if schedule.outer is not None:
         refused.append(f"outer={schedule.outer!r}")
     if process_group is not None:
@@ -189,12 +187,10 @@ class Live:
         """Launch round ``rounds.count``, unless this rank is catching up after a change; first
         hand the state to newcomers, and look for a change asked for (a newcomer's)."""
         rounds._pending, rounds._sent = None, False
-        if self.joiners:
-            joiners, self.joiners = self.joiners, ()
-            failed = joining.hand_over(self, rounds, joiners)
-            if failed is not None:
-                self.recover(rounds, failed, rounds.count)
-                return self.send(rounds)
+        failed = self.hand_over(rounds)
+        if failed is not None:
+            self.recover(rounds, failed, rounds.count)
+            return self.send(rounds)
         if self.membership.pending():  # one check of a store key per round
             self.recover(rounds, (), rounds.count)
             return self.send(rounds)
@@ -209,6 +205,12 @@ class Live:
             return
         self.recover(rounds, peers, rounds.count)
         self.send(rounds)
+
+    def hand_over(self, rounds: Rounds) -> tuple[int, ...] | None:
+        """Send the newcomers this rank owes it their state (:func:`joining.hand_over
+        <decent_optim.optim.joining.hand_over>`): None, or the ranks to declare lost."""
+        joiners, self.joiners = self.joiners, ()
+        return joining.hand_over(self, rounds, joiners) if joiners else None
 
     def recover(self, rounds: Rounds, suspects: tuple[int, ...], after: int) -> None:
         """Steps 2-4 of the module docstring (``after``: this rank's count at the step's end)."""

@@ -257,6 +257,7 @@ class UnevenRounds(LocalRounds):
         values = torch.tensor([float(count) + self.offset], dtype=torch.float64)
         what = f"the step counts of round {self.launched}"
         try:
+            uneven_live.launching(self)  # a change asked for (a newcomer): rebuild first
             self._pending = self._start()
             self._sum = (self.gossip.sum_async(values, what, HINT), values, count)
         except RuntimeError as err:  # a dead peer's, raised by a send

@@ -38,8 +38,17 @@ one sends. A loss in the budget's last round can leave a rank that mixed it (and
 outside the new group: it stopped and is done; the others declare it dead after twice the
 timeout of :class:`~decent_optim.gossip.membership.Membership` and finish without it.
 
-Not supported: a newcomer joining a run with ``uneven=True`` (refused when its optimizer is
-built), and ``outer=`` with ``uneven=True``.
+**A join** (:mod:`~decent_optim.optim.joining`). The members look for a newcomer's request
+once per round, before each launch (one check of a store key), and take it in by steps 1-3 (a
+round in flight is dropped); new rank 0 then sends the newcomer its state and step count
+:math:`c_0`. The newcomer stands at round :math:`R`, counts from :math:`c_0` (its progress is
+:math:`c_0` plus its own steps until it mixes its first round), and launches round
+:math:`R + 1` at the end of its first step. The members' progress carries over as above, so the
+first round mixed after the join sets everyone's progress to the mean of the members' and
+:math:`c_0` plus the steps since: it moves by :math:`(c_0 - P_0) / (n + 1)` at most, for the
+source's progress :math:`P_0`.
+
+Not supported: ``outer=`` with ``uneven=True``.
 """
 
 from __future__ import annotations
@@ -48,22 +57,23 @@ from typing import TYPE_CHECKING
 
 from decent_optim.gossip import GossipError
 from decent_optim.gossip.failures import connection_closed
+from decent_optim.gossip.membership import MembershipChanged
 from decent_optim.optim.uneven_loop import HINT
 
 if TYPE_CHECKING:
     from decent_optim.optim.uneven import UnevenRounds
 
-__all__ = ["recover"]
+__all__ = ["enter", "launching", "recover"]
 
 
 def recover(rounds: UnevenRounds, error: BaseException) -> None:
     """Steps 1-3 of the module docstring after ``error`` ended a round of ``rounds`` (its waiter
     joined); re-raise ``error`` without live membership or when it is no transport failure."""
     live = rounds.live
-    failed = isinstance(error, GossipError) or (
+    transport = isinstance(error, GossipError) or (
         isinstance(error, RuntimeError) and connection_closed(error)
     )
-    if live is None or not failed:
+    if live is None or not transport:
         raise error
 
     rounds._sum, rounds._waiter, rounds._out, rounds._relaunch = None, None, False, False
@@ -79,3 +89,25 @@ def recover(rounds: UnevenRounds, error: BaseException) -> None:
         rounds.total = progress * rounds.gossip.world_size
         rounds.offset = progress - rounds.count_at_launch
     rounds.period = rounds._next = rounds.local_steps
+    failed = live.hand_over(rounds)  # this rank is the source of newcomers' state
+    if failed is not None:
+        error = GossipError(f"a newcomer's state transfer failed (ranks {list(failed)})")
+        error.peers = failed
+        recover(rounds, error)
+
+
+def launching(rounds: UnevenRounds) -> None:
+    """Before launching a round: raise :class:`MembershipChanged` if a member or a newcomer
+    asked for a change (one check of a store key). A round's watched wait notices it only
+    while the round is still travelling."""
+    live = rounds.live
+    if live is not None and live.membership.pending():
+        raise MembershipChanged(f"[id {live.membership.me}] a change of membership was asked for")
+
+
+def enter(rounds: UnevenRounds, resume: int) -> None:
+    """A newcomer's rounds after its state arrived: at round ``resume``, the next launched at
+    the end of its first step."""
+    rounds.launched = rounds.mixed = resume
+    rounds.since = rounds.period = rounds._next = rounds.local_steps
+    rounds.gossip.hint = HINT  # on the gossiper at the members' size (Live.adopt)
