@@ -37,10 +37,10 @@ read the store once per round (:meth:`Membership.pending
 2-4, and new rank 0 sends it its state (:mod:`decent_optim.optim.joining`).
 
 Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H`` without
-``outer`` -- and ``uneven=True`` without ``outer``
-(:mod:`~decent_optim.optim.uneven_live`), with exact gossip (no ``compression``), over the
-default process group, a topology given by name, and one decentralized optimizer per process.
-Everything else is refused when the optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
+``outer`` -- and ``uneven=True`` without ``outer`` (:mod:`~decent_optim.optim.uneven_live`),
+with exact gossip (no ``compression``), over the default process group, a topology given by
+name, and one decentralized optimizer per process. Everything else is refused when the
+optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
 ``consensus_distance()``, checkpoints) still raise a ``GossipError`` when a member is lost
 during them; after a change the first three run over the new group (checkpoints are untested).
 """

@@ -260,7 +260,7 @@ class UnevenRounds(LocalRounds):
             uneven_live.launching(self)  # a change asked for (a newcomer): rebuild first
             self._pending = self._start()
             self._sum = (self.gossip.sum_async(values, what, HINT), values, count)
-        except RuntimeError as err:  # a dead peer's, raised by a send
+        except RuntimeError as err:  # a change asked for, or a dead peer's error from a send
             return uneven_live.recover(self, err)
         self._out = True
         handles = [h for h in (self._pending, self._sum[0]) if h is not None and not h.is_noop]

@@ -7,13 +7,18 @@ hung (stopped) worker fails them after the optimizer's ``timeout``; a rank whose
 still completes learns of the change from the store, in its next round's watched wait. The
 rank notices in the step that would mix the round, once the round's waiter thread has ended
 (:meth:`~decent_optim.optim.uneven.UnevenRounds._settle` joins it first, so no wait of this
-optimizer is left on the old group), or when launching a round fails. Then it
+optimizer is left on the old group), or when launching a round fails or finds a change asked
+for in the store. Then it
 
 1. drops the round in flight and its sum: nothing of that round is mixed in, the parameters
    stay its own values, the step's update is applied as usual;
 2. agrees with the other survivors and rebuilds the group, topology and gossiper exactly as
    the step-locked schedules do (:meth:`Live.recover <decent_optim.optim.live.Live.recover>`,
-   with the callback and :attr:`~decent_optim.DecentralizedOptimizer.membership`);
+   with the callback and :attr:`~decent_optim.DecentralizedOptimizer.membership`). It names
+   a suspect only where the failed wait names one peer (its connection closed): a timed-out
+   sum names every rank after the first late one, live ones too. A hung worker, named by no
+   one, is left out once the others have waited twice the timeout of
+   :class:`~decent_optim.gossip.membership.Membership` for it;
 3. goes on at round :math:`R`, the largest :attr:`~UnevenRounds.round` of the survivors:
    since every rank mixes round :math:`k` only after every rank launched it, the survivors'
    rounds differ by at most one, and one whose count is lower counts its dropped round as
@@ -35,8 +40,8 @@ group at which :math:`S / n' + H` reaches the budget of :meth:`~UnevenRounds.sto
 budget of DDP-equivalent steps, the steps after the change counted over the survivors. Every
 survivor reads the same sums, so all stop after the same round, and none waits for a round no
 one sends. A loss in the budget's last round can leave a rank that mixed it (and stopped)
-outside the new group: it stopped and is done; the others declare it dead after twice the
-timeout of :class:`~decent_optim.gossip.membership.Membership` and finish without it.
+outside the new group: it stopped and is done; the others declare it dead after twice
+``Membership``'s timeout and finish without it.
 
 **A join** (:mod:`~decent_optim.optim.joining`). The members look for a newcomer's request
 once per round, before each launch (one check of a store key), and take it in by steps 1-3 (a
@@ -45,7 +50,7 @@ round in flight is dropped); new rank 0 then sends the newcomer its state and st
 :math:`c_0` plus its own steps until it mixes its first round), and launches round
 :math:`R + 1` at the end of its first step. The members' progress carries over as above, so the
 first round mixed after the join sets everyone's progress to the mean of the members' and
-:math:`c_0` plus the steps since: it moves by :math:`(c_0 - P_0) / (n + 1)` at most, for the
+:math:`c_0`, plus the steps since: it moves by about :math:`(c_0 - P_0) / (n + 1)`, for the
 source's progress :math:`P_0`.
 
 Not supported: ``outer=`` with ``uneven=True``.
@@ -78,8 +83,7 @@ def recover(rounds: UnevenRounds, error: BaseException) -> None:
 
     rounds._sum, rounds._waiter, rounds._out, rounds._relaunch = None, None, False, False
     before = rounds.gossip.world_size
-    # a wait names one peer when its connection closed; a timed-out sum names every peer after
-    # the first late one, live ones too, which must not be blamed (the agreement then waits)
+    # one peer named: its connection closed; several: a timed-out wait (step 2)
     peers = getattr(error, "peers", ())
     live.recover(rounds, peers if len(peers) == 1 else (), rounds.mixed)  # live.resume: the max
     rounds.gossip.hint = HINT
