@@ -3,13 +3,14 @@
 Four gloo ranks train ``tests/_live.py``'s float64 model with DSGD (plain SGD steps) on the
 ring, ``local_steps=2, uneven=True``, one rank slowed by a sleep per step, until a budget
 (``opt.stop_at``; the loop ends on ``opt.stopped``). One rank is SIGKILLed mid-run, or
-SIGSTOPped (hung: declared dead after the timeout). Every survivor records, from the step in
-which its group was rebuilt, its parameters, and then per step whether it launched or mixed a
-round. The test checks that every survivor's loop ended, that their views agree, and replays
-the survivors from their parameters at the change in float64 -- the ring's mixing matrix on 3
-ranks, SGD on each one's own gradients, at the steps each one recorded -- written from
-decent_optim.optim.uneven's docstring alone; it also checks that the survivors' sum moved by
-their local updates only and that mixing kept them closer than training alone would.
+SIGSTOPped (hung: declared dead after the timeout); or three ranks are joined by a fourth
+process (``start_alone``). Every rank records, from the step in which its group was rebuilt
+(a newcomer: from its optimizer's construction), its parameters, and then per step whether it
+launched or mixed a round. The test checks that every loop ended, that the views agree, and
+replays the ranks from their parameters at the change in float64 -- the ring's mixing matrix
+on 3 or 4 ranks, SGD on each one's own gradients, at the steps each one recorded -- written
+from decent_optim.optim.uneven's docstring alone; it also checks that their sum moved by their
+local updates only and that mixing kept them closer than training alone would.
 """
 
 from __future__ import annotations
