@@ -121,10 +121,8 @@ def _newcomer(path, patient):
     opt = _optimizer(model, live, patient)
     out = {"changed": {"x": _live.flat(model.parameters()), "round": opt.round}}
     out["grads"], out["steps"] = torch.zeros_like(out["changed"]["x"]), [(None, None, None)]
-    me = opt.membership.members[opt.membership.rank]
-    out = _loop(opt, model, me, out)
-    out["changes"] = [tuple(opt.membership)]  # no callback on a newcomer: its view instead
-    return out
+    out["changes"] = [tuple(opt.membership)]  # no callback on a newcomer: its view on entry
+    return _loop(opt, model, opt.membership.members[opt.membership.rank], out)
 
 
 def _loss(model, member, t):
