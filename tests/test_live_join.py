@@ -249,7 +249,7 @@ def test_joining_refusals(tmp_path):
     said = run_world(_refusals, 1, str(tmp_path))[0]
     assert "join=True) is for a process outside the running group" in said["initialized"]
     for name in ("outer", "process_group"):
-        assert "membership= supports the step-locked schedules" in said[name], said[name]
+        assert "membership= supports local_steps=1" in said[name], said[name]
     assert not dist.is_initialized()  # this process is in no group: it may join, not be a member
     with pytest.raises(RuntimeError, match="pass join=True in a process that joins"):
         Membership(dist.FileStore(os.path.join(str(tmp_path), "alone"), -1), timeout=TIMEOUT)

@@ -140,13 +140,12 @@ def test_membership_without_a_fault_changes_nothing(tmp_path):
 def _refusals(rank, world_size, path):
     import torch.distributed as dist
 
-    from decent_optim import DecentralizedAdamW, Uneven, topologies
+    from decent_optim import DecentralizedAdamW, topologies
     from decent_optim.gossip.membership import Membership
 
     live = Membership(dist.FileStore(os.path.join(path, "store"), -1), timeout=TIMEOUT)
     model = _live.model()
     cases = {
-        "uneven": dict(local_steps=2, uneven=Uneven()),
         "outer": dict(local_steps=2, outer="diloco"),
         "process_group": dict(process_group=dist.group.WORLD),
         "topology": dict(topology=topologies.get("ring", world_size)),
@@ -172,15 +171,14 @@ def _refusals(rank, world_size, path):
 def test_unsupported_settings_are_refused_at_construction(tmp_path):
     for said in run_world(_refusals, 4, str(tmp_path)):
         assert set(said) == {
-            "uneven",
             "outer",
             "process_group",
             "topology",
             "object",
             "callback",
         }, said
-        for name in ("uneven", "outer", "process_group", "topology"):
-            assert "membership= supports the step-locked schedules" in said[name], said[name]
+        for name in ("outer", "process_group", "topology"):
+            assert "membership= supports local_steps=1" in said[name], said[name]
             assert name in said[name], said[name]
         assert "Membership(store" in said["object"] and "needs membership=" in said["callback"]
 

@@ -183,8 +183,10 @@ class Membership:
             except BaseException as exc:  # handed to the caller below
                 outcome.append(exc)
                 # left for a change, this wait still ends naming a hung peer: the agreement
-                # under way counts it (_agree), instead of waiting out its silence
-                self._late.append((generation, tuple(getattr(exc, "peers", ()))))
+                # under way counts it (_agree), instead of waiting out its silence; only a
+                # single peer (a timed-out collective names every rank it still waited for)
+                peers = tuple(getattr(exc, "peers", ()))
+                self._late.append((generation, peers if len(peers) == 1 else ()))
             done.set()
 
         threading.Thread(target=run, name="decent_optim-membership-wait", daemon=False).start()

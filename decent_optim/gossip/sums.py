@@ -26,7 +26,8 @@ def sum_async(
     """Launch the sum of ``values`` over ``link``'s group on ``tag``; every rank launches its
     sums in the same order. After the handle's :meth:`~GossipHandle.wait` (at most the link's
     timeout; ``what`` and ``hint`` for its error) and :meth:`~GossipHandle.mix_`, ``values``
-    holds the sum."""
+    holds the sum; with live membership a change another member started ends the wait
+    (:class:`~decent_optim.gossip.membership.MembershipChanged`)."""
     others = [r for r in range(link.world_size) if r != link.rank]
     received = {r: values.new_empty(values.shape) for r in others}
     own = values.clone()  # sent, and added in its place in the order
@@ -39,6 +40,14 @@ def sum_async(
             values.add_(own if r == link.rank else received[r])
         return [NO_MIX]
 
+    # watched as the rounds are (live membership): a change another member started ends it
     return GossipHandle(
-        works, finish, buffers=[values], rank=link.rank, timeout=link.timeout, what=what, hint=hint
+        works,
+        finish,
+        buffers=[values],
+        rank=link.rank,
+        timeout=link.timeout,
+        what=what,
+        hint=hint,
+        watch=link.watch,
     )

@@ -19,7 +19,9 @@ the group). The constructor blocks until the members have let it in:
 4. the newcomer builds the topology of the same name at the new size, counts from
    :math:`c_0` (its steps up to :math:`R` are its own, without gossip, as a survivor catching
    up) and gossips from round :math:`R` on, step-locked with the others (with
-   ``compression=``, on new groups whose first rounds send exact values, as the members').
+   ``compression=``, on new groups whose first rounds send exact values, as the members';
+   with ``uneven=True`` it stands at round :math:`R` and launches round :math:`R + 1`
+   after its first step: :mod:`~decent_optim.optim.uneven_live`).
 
 What the newcomer holds is a copy of the source's state :math:`x_0` at count :math:`c_0`, not
 the mean, so the mean of the :math:`n+1` workers becomes
@@ -51,9 +53,10 @@ from decent_optim.gossip import Gossiper, GossipError, codecs, comm_device
 from decent_optim.gossip.live import enter, give, take
 from decent_optim.gossip.membership import Membership as LiveMembership
 from decent_optim.gossip.membership import MembershipError
-from decent_optim.optim import startup
+from decent_optim.optim import startup, uneven_live
 from decent_optim.optim.membership import Membership
 from decent_optim.optim.startup import Connected
+from decent_optim.optim.uneven import UnevenRounds
 
 if TYPE_CHECKING:
     import datetime
@@ -209,5 +212,7 @@ def receive(owner: Any, resume: int) -> None:
     rounds.count = count
     if getattr(rounds, "anchor", False) is None:  # local steps: what it sends is what it holds
         rounds.anchor = [b.clone() for b in owner._flat.buffers]
+    if isinstance(rounds, UnevenRounds):  # it launches round `resume` + 1 after its first step
+        return uneven_live.enter(rounds, resume)
     rounds._launch_round()  # round `count`, if the others launch it now (count >= resume)
     rounds.record_versions()

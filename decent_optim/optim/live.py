@@ -43,8 +43,9 @@ the first round of each new group sends exact values on all of them alike, as af
 another world size, and the copies are rebuilt from there.
 
 Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H`` without
-``outer`` -- with exact or compressed gossip, over the default process group, a topology
-given by name, and one decentralized optimizer per process. Everything else is refused when the
+``outer`` -- and ``uneven=True`` without ``outer`` (:mod:`~decent_optim.optim.uneven_live`),
+with exact or compressed gossip, over the default process group, a topology given by
+name, and one decentralized optimizer per process. Everything else is refused when the
 optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
 ``consensus_distance()``, ``checkpoint.load``) still raise a ``GossipError`` when a member is
 lost during them; after a change the first three run over the new group. Checkpoints saved
@@ -77,11 +78,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Live", "attach", "check", "superseded", "topology_for"]
 
-#: the step-locked settings live membership supports, for the refusals' messages
+#: the settings live membership supports, for the refusals' messages
 SUPPORTED = (
-    "membership= supports the step-locked schedules (local_steps=1, or local_steps=H with "
-    "outer=None), exact or with compression=, over the default process group "
-    "(process_group=None) and a topology given by name"
+    "membership= supports local_steps=1, or local_steps=H with outer=None (uneven=True too), "
+    "exact or with compression=, over the default process group (process_group=None) and a "
+    "topology given by name"
 )
 
 
@@ -105,8 +106,6 @@ def check(
     if on_change is not None and not callable(on_change):
         raise TypeError(f"on_membership_change= must be callable, got {on_change!r}")
     refused = []
-    if schedule.uneven is not None:
-        refused.append("uneven=True")
     if schedule.outer is not None:
         refused.append(f"outer={schedule.outer!r}")
     if process_group is not None:
@@ -224,12 +223,10 @@ class Live:
         """Launch round ``rounds.count``, unless this rank is catching up after a change; first
         hand the state to newcomers, and look for a change asked for (a newcomer's)."""
         rounds._pending, rounds._sent = None, False
-        if self.joiners:
-            joiners, self.joiners = self.joiners, ()
-            failed = joining.hand_over(self, rounds, joiners)
-            if failed is not None:
-                self.recover(rounds, failed, rounds.count)
-                return self.send(rounds)
+        failed = self.hand_over(rounds)
+        if failed is not None:
+            self.recover(rounds, failed, rounds.count)
+            return self.send(rounds)
         if self.membership.pending():  # one check of a store key per round
             self.recover(rounds, (), rounds.count)
             return self.send(rounds)
@@ -244,6 +241,12 @@ class Live:
             return
         self.recover(rounds, peers, rounds.count)
         self.send(rounds)
+
+    def hand_over(self, rounds: Rounds) -> tuple[int, ...] | None:
+        """Send the newcomers this rank owes it their state (:func:`joining.hand_over
+        <decent_optim.optim.joining.hand_over>`): None, or the ranks to declare lost."""
+        joiners, self.joiners = self.joiners, ()
+        return joining.hand_over(self, rounds, joiners) if joiners else None
 
     def recover(self, rounds: Rounds, suspects: tuple[int, ...], after: int) -> None:
         """Steps 2-4 of the module docstring (``after``: this rank's count at the step's end)."""

@@ -56,6 +56,7 @@ import torch
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
+from decent_optim.optim import uneven_live
 from decent_optim.optim.local_steps import LocalRounds
 from decent_optim.optim.uneven_loop import HINT, LOOP, check_same_round
 from decent_optim.optim.uneven_periods import next_period
@@ -253,10 +254,14 @@ class UnevenRounds(LocalRounds):
     def _send(self, count: int) -> None:
         """Launch round :attr:`launched` with the anchors, and the sum of the step counts
         (``count``: this rank's steps when it launched the round)."""
-        self._pending = self._start()
         values = torch.tensor([float(count) + self.offset], dtype=torch.float64)
         what = f"the step counts of round {self.launched}"
-        self._sum = (self.gossip.sum_async(values, what, HINT), values, count)
+        try:
+            uneven_live.launching(self)  # a change asked for (a newcomer): rebuild first
+            self._pending = self._start()
+            self._sum = (self.gossip.sum_async(values, what, HINT), values, count)
+        except RuntimeError as err:  # a change asked for, or a dead peer's error from a send
+            return uneven_live.recover(self, err)
         self._out = True
         handles = [h for h in (self._pending, self._sum[0]) if h is not None and not h.is_noop]
         self._waiter = Waiter(handles) if handles else None
@@ -266,9 +271,9 @@ class UnevenRounds(LocalRounds):
         if self._waiter is not None:
             waiter, self._waiter = self._waiter, None
             waiter.thread.join()
-            if waiter.error is not None:
-                raise waiter.error
-        self._mix_in(self.count)  # uneven=True has no live membership
+            if waiter.error is not None:  # dropped and rebuilt with membership=, else raised
+                return uneven_live.recover(self, waiter.error)
+        self._mix_in(self.count)
         self._out = False
         self.mixed += 1
         if self._sum is not None:
