@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -49,6 +48,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from decent_optim.gossip.failures import GossipError
+from decent_optim.gossip.watch import Waits, waits
 
 __all__ = ["Membership", "MembershipChanged", "MembershipError", "View"]
 
@@ -114,9 +114,8 @@ class Membership:
                 "Membership(store, join=True) is for a process outside the running group: do not "
                 "call init_process_group (joining builds the group)"
                 if join
-                else "build "
-                "Membership after dist.init_process_group, on every rank (or pass join=True in "
-                "a process that joins a running job)"
+                else "build Membership after dist.init_process_group, on every rank (or pass "
+                "join=True in a process that joins a running job)"
             )
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
@@ -125,8 +124,8 @@ class Membership:
         store.set_timeout(datetime.timedelta(seconds=self.timeout))
         #: a newcomer until its first rebuild has connected it
         self.joining = join
-        # (generation, ranks) a wait named after this rank had left it for a change (watch)
-        self._late: list[tuple[int, tuple[int, ...]]] = []
+        # the waits watch() left for a change, and the peers they named (their late blame)
+        self._waits = Waits(poll, MembershipChanged)
         if join:
             self.backend, self.me, self.view = backend, -1, View(-1, (), -1, ())
             return
@@ -152,14 +151,7 @@ class Membership:
             RuntimeError: the transport's error of a failed or timed-out work (its peer is a
                 suspect).
         """
-        todo = list(works)
-        limit = None if timeout is None else datetime.timedelta(seconds=timeout)
-
-        def run() -> None:
-            for work in todo:
-                work.wait() if limit is None else work.wait(limit)
-
-        self.watch(run)
+        self.watch(waits(works, timeout))
 
     def watch(self, wait: Callable[[], None]) -> None:
         """Run ``wait`` (a function that waits for transfers) and return or raise what it does,
@@ -173,33 +165,7 @@ class Membership:
         process ("terminate called without an active exception"): a process that ends right
         after a change waits for it, at most the transfers' timeout.
         """
-        outcome: list[BaseException] = []
-        done = threading.Event()
-        generation = self.view.generation
-
-        def run() -> None:
-            try:
-                wait()
-            except BaseException as exc:  # handed to the caller below
-                outcome.append(exc)
-                # left for a change, this wait still ends naming a hung peer: the agreement
-                # under way counts it (_agree), instead of waiting out its silence; only a
-                # single peer (a timed-out collective names every rank it still waited for)
-                peers = tuple(getattr(exc, "peers", ()))
-                self._late.append((generation, peers if len(peers) == 1 else ()))
-            done.set()
-
-        threading.Thread(target=run, name="decent_optim-membership-wait", daemon=False).start()
-        pause = 1e-4
-        while not done.wait(pause):
-            if self.pending():
-                raise MembershipChanged(
-                    f"[id {self.me}] another member started a change of membership "
-                    f"(generation {self.view.generation}): call rebuild()"
-                )
-            pause = min(2 * pause, self.poll)
-        if outcome:
-            raise outcome[0]
+        self._waits.run(wait, self.me, self.view.generation, self.pending)
 
     def rebuild(self, suspects: Iterable[int] = ()) -> View:
         """Agree with the other survivors on the members left, and rebuild the default group.
@@ -293,13 +259,7 @@ class Membership:
             for i in newcomers:  # they posted before they asked: none is waited for
                 if i not in view.members and store.check([self._key(g, f"join/{i}")]):
                     posted[i] = set()
-            late = {
-                view.members[r]
-                for at, rs in self._late
-                if at == g
-                for r in rs
-                if r < len(view.members)
-            }
+            late = self._waits.blamed(g, view.members)
             if not late <= suspected | {self.me}:
                 suspected = suspected | late - {self.me}
                 store.set(self._key(g, f"alive/{self.me}"), _text(suspected))
@@ -312,7 +272,7 @@ class Membership:
                 decided = _ids(won.decode() if isinstance(won, bytes) else won)
                 break
             time.sleep(self.poll)
-        self._late = [(at, ranks) for at, ranks in self._late if at > g]
+        self._waits.forget(g)
         if self.me not in decided:
             raise MembershipError(
                 f"[id {self.me}] the other members rebuilt their group without this rank "
