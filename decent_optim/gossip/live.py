@@ -31,6 +31,7 @@ from decent_optim.gossip.collectives import channel, comm_device, gather_ints
 from decent_optim.gossip.failures import GossipError
 from decent_optim.gossip.gossiper import Gossiper
 from decent_optim.gossip.membership import Membership, MembershipError, View
+from decent_optim.gossip.watch import waits
 from decent_optim.topologies import Topology
 
 __all__ = ["Regrouped", "enter", "give", "gossiper", "regroup", "take"]
@@ -164,18 +165,12 @@ def take(fit: int, heads: int, payload: list[Tensor], timeout: float | None) -> 
     """
     head = torch.zeros(1 + heads, dtype=torch.int64)
     mine = torch.tensor([fit], dtype=torch.int64)
-    _wait([_p2p(dist.isend, mine, 0, TAG), _p2p(dist.irecv, head, 0, TAG + 1)], timeout)
+    waits([_p2p(dist.isend, mine, 0, TAG), _p2p(dist.irecv, head, 0, TAG + 1)], timeout)()
     if not head[0]:
         dist.destroy_process_group()  # the members drop this rank as a lost one
         return None
-    _wait([_p2p(dist.irecv, t, 0, TAG + 2 + i) for i, t in enumerate(payload)], timeout)
+    waits([_p2p(dist.irecv, t, 0, TAG + 2 + i) for i, t in enumerate(payload)], timeout)()
     return [int(v) for v in head[1:].tolist()]
-
-
-def _wait(works: list[dist.Work], timeout: float | None) -> None:
-    limit = None if timeout is None else datetime.timedelta(seconds=timeout)
-    for work in works:
-        work.wait() if limit is None else work.wait(limit)
 
 
 def _p2p(op: Callable[..., dist.Work | None], tensor: Tensor, peer: int, tag: int) -> dist.Work:
