@@ -79,6 +79,8 @@ def _loop(opt, model, member, out, sleep=0.0, hook=None):
         t += 1
     out["final"], out["round"], out["progress"] = _live.flat(params), opt.round, opt.progress
     out["view"] = tuple(opt.membership)
+    # the rebuilt gossiper waits as uneven=True's first one: never at a launch (deferred)
+    out["deferred"] = opt._rounds.gossip.deferred
     return out
 
 
@@ -187,6 +189,7 @@ def _check(runs, members, lost):
         assert run["view"] == view and run["changes"] == [view], (run["view"], run["changes"])
         # the budget: S / n' + H reached it at the last round (module docstring)
         assert run["progress"] >= BUDGET - LOCAL_STEPS + 1, run["progress"]
+        assert run["deferred"] is True, "the gossiper rebuilt at the change waits at launches"
     # every survivor went on at the same round and stopped after the same round
     assert len({r["changed"]["round"] for r in runs}) == 1, [r["changed"] for r in runs]
     assert len({r["round"] for r in runs}) == 1, [r["round"] for r in runs]

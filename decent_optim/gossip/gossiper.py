@@ -109,7 +109,7 @@ class Gossiper:
         )
         self.topology, self.transport, self.timeout = topology, transport, timeout
         self._node_width = topology.local_world_size if by_node else 1
-        self._deferred = deferred
+        self.deferred = deferred  # read by live membership (it builds the next one alike)
         self.group, self.rank, self.world_size = group, self._link.rank, world_size
         self._compressed: dict[tuple[int, ...], CompressedGroup] = {}
         subgroups = self._create_subgroups()
@@ -146,7 +146,7 @@ class Gossiper:
             parts = Parts(members, self.rank, self._node_width)
             codec = self._codec
             assert codec is not None  # only groups that compress get here
-            found = CompressedGroup(self._link, parts, codec, self._deferred)
+            found = CompressedGroup(self._link, parts, codec, self.deferred)
             self._compressed[members] = found
         return found
 
@@ -200,7 +200,7 @@ class Gossiper:
             return self._compressed_group(mine)
         if self._by_node(mine):
             parts = Parts(mine, self.rank, self.topology.local_world_size)
-            return NodeAverage(self._link, parts, self._deferred)
+            return NodeAverage(self._link, parts, self.deferred)
         if self._uses_allreduce(mine):
             return GroupAllReduce(self._link, len(mine), subgroups[mine])
         return PointToPoint(self._link, self.topology)

@@ -59,13 +59,15 @@ def regroup(
     timeout: datetime.timedelta | None,
     slot: int = 0,
     compression: str | Codec | None = None,
+    deferred: bool = False,
 ) -> Regrouped:
     """Rebuild the default group without the lost members (``suspects``: ranks of the current
     group this rank believes dead) and gossip on it from now on.
 
     ``count``: this rank's step count at the end of the current step; ``topology``: the topology
     for a view of the new group; ``compression``: the optimizer's codec, whose public copies
-    start over on the new groups (see :func:`gossiper`). A member lost while the survivors
+    start over on the new groups (see :func:`gossiper`); ``deferred``: as the first gossiper's
+    (``uneven=True``: no launch waits for a node-mate). A member lost while the survivors
     exchange their counts is agreed on in one more generation. Raises
     :class:`~decent_optim.gossip.membership.MembershipError` if this rank was left out.
     """
@@ -85,7 +87,7 @@ def regroup(
         except GossipError as err:
             ranks = list(err.peers)
             continue
-        gossip = gossiper(membership, topology(view), slot, timeout, compression)
+        gossip = gossiper(membership, topology(view), slot, timeout, compression, deferred)
         return Regrouped(view, gossip, max(c[0] for c in counts), group)
     raise GossipError(
         f"[id {membership.me}] the survivors kept losing members while rebuilding their group "
@@ -99,6 +101,7 @@ def gossiper(
     slot: int,
     timeout: datetime.timedelta | None,
     compression: str | Codec | None = None,
+    deferred: bool = False,
 ) -> Gossiper:
     """Gossip with ``topology`` on the current default group, its waits watched by
     ``membership``.
@@ -110,7 +113,12 @@ def gossiper(
     """
     group = dist.group.WORLD
     gossip = Gossiper(
-        topology, channel(group, slot), timeout=timeout, slot=slot, compression=compression
+        topology,
+        channel(group, slot),
+        timeout=timeout,
+        slot=slot,
+        compression=compression,
+        deferred=deferred,
     )
     gossip.watch = membership.watch
     return gossip

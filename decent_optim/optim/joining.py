@@ -90,6 +90,7 @@ def connect(
     membership: LiveMembership | None,
     timeout: datetime.timedelta | None,
     bucket_cap_mb: float,
+    deferred: bool = False,
     **_: Any,
 ) -> Connected:
     """The newcomer's start-up: steps 1-2 of the module docstring (the state comes later)."""
@@ -109,7 +110,7 @@ def connect(
     flat = FlatParams([[p for p in params if p.requires_grad] for params in groups], bucket_cap_mb)
     frozen = [p for p in every if not p.requires_grad]
     topo = topologies.get("complete", view.world_size)  # a stand-in until the source's width
-    gossip = Gossiper(topo, group, timeout=timeout)
+    gossip = Gossiper(topo, group, timeout=timeout, deferred=deferred)  # Live.adopt keeps the flag
     return Connected(gossip, topo, flat, frozen, None, member, group, comm_device(group), resume)
 
 

@@ -179,7 +179,7 @@ def attach(
     start.gossip.watch = membership.watch
     width, timeout = start.topology.local_world_size, start.gossip.timeout
     live = Live(owner, membership, on_change, str(topology), width, timeout, start.member.slot)
-    live.compression = compression
+    live.compression, live.deferred = compression, start.gossip.deferred
     return live
 
 
@@ -203,6 +203,7 @@ class Live:
         self.resume = 0  # rounds below this are not launched (a survivor catching up)
         self.joiners: tuple[int, ...] = ()  # newcomers this rank (the source) owes the state
         self.compression: str | Codec | None = None  # the codec of every gossiper it builds
+        self.deferred = False  # and whether its node rounds wait only in the round's wait
 
     @property
     def view(self) -> View:
@@ -262,6 +263,7 @@ class Live:
             timeout=self.timeout,
             slot=self.slot,
             compression=self.compression,
+            deferred=self.deferred,
         )
         rounds.gossip, self.resume = new.gossip, new.resume
         if new.view.rank == 0:  # the source of the newcomers' state (optim.joining)
@@ -278,5 +280,7 @@ class Live:
         topo = topology_for(self.topology, self.view, width)
         owner = self._owner()
         assert owner is not None  # the newcomer's constructor calls this
-        owner._rounds.gossip = gossiper(self.membership, topo, slot, self.timeout, self.compression)
+        owner._rounds.gossip = gossiper(
+            self.membership, topo, slot, self.timeout, self.compression, self.deferred
+        )
         return topo
