@@ -10,7 +10,7 @@ Rank 0 of several commits in a thread: a peer that died before writing its file 
 training (the run should fail at its next gossip round and restart, not wait here). The
 thread gives up after ``timeout`` seconds, or 30 s after the main thread has ended (a rank that
 fails exits promptly). With live membership (``membership=``) it also gives up, with a
-warning and no error, once the group has changed, or a member started a change, for the
+warning and no error, once the group has changed, or a member started a change, for half the
 membership's ``timeout`` (:func:`decent_optim.optim.live.superseded`): a lost member's file
 never comes, the step folder stays without a manifest (the next ``load`` removes it), and the
 survivors' next saves, at their new world size, are committed as usual.

@@ -118,7 +118,7 @@ def check(
 
 def superseded(owner: Any, every: float = 0.2) -> Callable[[], bool]:
     """Whether the group of the optimizer ``owner`` has changed, or a member started a change,
-    at least the membership's ``timeout`` ago (a live member's file arrives by then; a lost
+    at least half the membership's ``timeout`` ago (a live member's file arrives by then; a lost
     one's never does), counted from this call; always False without ``membership=``. A
     checkpoint's commit that waits for the ranks' files gives up then
     (:mod:`decent_optim.checkpoint.saving`). Callable from another thread; it reads one store
@@ -135,7 +135,8 @@ def superseded(owner: Any, every: float = 0.2) -> Callable[[], bool]:
             last[0] = now
             if live.view.generation != generation or live.membership.pending():
                 seen.append(now)
-        return bool(seen) and now - seen[0] >= live.membership.timeout
+        # half: rank 0 blocked here must still post in the agreement, which waits 2 timeouts
+        return bool(seen) and now - seen[0] >= live.membership.timeout / 2
 
     return changed
 
