@@ -28,6 +28,31 @@ def model(seed=0, width=2):
     return torch.nn.Linear(3, width).double()
 
 
+def ring(params, compression, membership=None, sgd=False, timeout=30.0):
+    """The optimizer of the compression and checkpoint tests: ``DecentralizedAdamW`` (or
+    ``DSGD``) on the ring, every rank a node of its own, so that every pair is compressed."""
+    from decent_optim import DSGD, DecentralizedAdamW
+
+    make = DSGD if sgd else DecentralizedAdamW
+    return make(
+        params,
+        lr=LR,
+        topology="ring",
+        timeout=timeout,
+        local_world_size=1,
+        compression=compression,
+        membership=membership,
+    )
+
+
+def train(model, opt, member, start, stop=STEPS):
+    """Steps ``start`` to ``stop - 1`` on ``member``'s data."""
+    for t in range(start, stop):
+        loss(model, member, t).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def flat(tensors):
     return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
 

@@ -31,17 +31,7 @@ STEPS, LR = _live.STEPS, _live.LR
 
 
 def _optimizer(model, compression, membership=None):
-    from decent_optim import DecentralizedAdamW
-
-    return DecentralizedAdamW(
-        model.parameters(),
-        lr=LR,
-        topology="ring",
-        timeout=PATIENT,
-        local_world_size=1,
-        compression=compression,
-        membership=membership,
-    )
+    return _live.ring(model.parameters(), compression, membership, timeout=PATIENT)
 
 
 def _copy(value):
@@ -94,11 +84,7 @@ def _restart(rank, world_size, path, compression):
     resumed = checkpoint.load(os.path.join(path, "ckpt"), model, opt)
     out = {"resumed": (resumed.step, resumed.saved_world_size, resumed.source)}
     out["loaded"] = _state(model, opt)
-    member = resumed.extra["member"]
-    for t in range(resumed.step, STEPS):
-        _live.loss(model, member, t).backward()
-        opt.step()
-        opt.zero_grad()
+    _live.train(model, opt, resumed.extra["member"], resumed.step)
     out["final"] = _live.flat(model.parameters())
     return out
 

@@ -45,18 +45,7 @@ def _store(path):
 
 
 def _optimizer(params, compression, sgd, membership):
-    from decent_optim import DSGD, DecentralizedAdamW
-
-    make = DSGD if sgd else DecentralizedAdamW
-    return make(
-        params,
-        lr=LR,
-        topology="ring",
-        timeout=PATIENT,
-        local_world_size=1,
-        compression=compression,
-        membership=membership,
-    )
+    return _live.ring(params, compression, membership, sgd=sgd, timeout=PATIENT)
 
 
 def _record(opt, params, count, sgd):
@@ -125,11 +114,7 @@ def _newcomer(path, compression):
     opt = _optimizer(params, compression, False, live)
     count = int(opt.state[params[0]]["step"])
     out = {"joined": _record(opt, params, count, False)}
-    me = opt.membership.members[opt.membership.rank]
-    for t in range(count, STEPS):
-        _live.loss(model, me, t).backward()
-        opt.step()
-        opt.zero_grad()
+    _live.train(model, opt, opt.membership.members[opt.membership.rank], count)
     out["final"], out["view"] = _live.flat(params), tuple(opt.membership)
     return out
 

@@ -115,11 +115,7 @@ def _newcomer(path, local_steps, width=2, go="go"):
         return {"refused": str(err)}
     count = int(opt.state[params[0]]["step"])
     out["joined"], out["first_view"] = _record(opt, params, count), tuple(opt.membership)
-    me = opt.membership.members[opt.membership.rank]
-    for t in range(count, STEPS):
-        _live.loss(model, me, t).backward()
-        opt.step()
-        opt.zero_grad()
+    _live.train(model, opt, opt.membership.members[opt.membership.rank], count)
     out["final"], out["view"] = _live.flat(params), tuple(opt.membership)
     out["sizes"] = (opt.world_size, opt.rank, opt.topology.world_size)
     _consensus(opt, params, out)

@@ -217,19 +217,19 @@ def _check(runs, members, lost):
     assert together < 0.5 * apart, (together, apart)
 
 
-@pytest.mark.multiprocess
-def test_survivors_of_a_killed_rank_finish_as_the_dense_replay(tmp_path):
-    sleeps = (0.0, 0.03, 0.0, 0.0)  # rank 1 is slow; rank 2 is killed at its step 4
-    args = (str(tmp_path), 2, signal.SIGKILL, 30.0, sleeps)
-    results = run_world_fresh(_train, 4, *args, timeout=120, killed=(2,))
-    assert results[2] is None, results[2]
-    _check([results[m] for m in SURVIVORS], SURVIVORS, (2,))
+# rank 2 is SIGKILLed at its step 4 while rank 1 is slow; or rank 2 is slow, then stops
+# (SIGSTOP: hung) at its step 4 and is declared dead after the optimizer's timeout of 5 s
+FAULTS = {
+    "killed": (signal.SIGKILL, 30.0, (0.0, 0.03, 0.0, 0.0)),
+    "slow-then-hung": (signal.SIGSTOP, 5.0, (0.0, 0.0, 0.03, 0.0)),
+}
 
 
 @pytest.mark.multiprocess
-def test_a_slow_rank_that_hangs_is_declared_dead_after_the_timeout(tmp_path):
-    sleeps = (0.0, 0.0, 0.03, 0.0)  # rank 2 is slow, then stops (SIGSTOP) at its step 4
-    args = (str(tmp_path), 2, signal.SIGSTOP, 5.0, sleeps)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_survivors_of_a_lost_rank_finish_as_the_dense_replay(fault, tmp_path):
+    signum, patient, sleeps = FAULTS[fault]
+    args = (str(tmp_path), 2, signum, patient, sleeps)
     results = run_world_fresh(_train, 4, *args, timeout=120, killed=(2,))
     assert results[2] is None, results[2]
     _check([results[m] for m in SURVIVORS], SURVIVORS, (2,))
