@@ -138,6 +138,7 @@ def results(tmp_path: Path) -> Path:
         _row("ddp", [(50, 50.0, 0.7), (100, 100.0, 0.5)], None, 800.0),
         _row("diloco:H4", [(50, 40.0, 0.6), (100, 80.0, 0.52)], 0.5, 100.0),
         _row("decent:ring:H2", [(50, 12.0, 0.55), (100, 30.0, 0.48)], 0.5, 50.0),
+        _row("decent:ring:H2:fixed", [(50, 15.0, 0.55), (100, 40.0, 0.5)], 0.5),
     ])  # fmt: skip
     # a second tag on even hardware: its DDP row is not taken (the first tag's is), its variant is
     _write(tmp_path, "1gbit_b_even", hardware="even", **run, rows=[
@@ -171,6 +172,8 @@ def test_the_report_gives_the_times_and_ratios_worked_out_by_hand(results: Path,
                                                 "0.4500", "-10.00%", "1/16"]  # fmt: skip
     assert rows[("decent:ring:H2", "half")][:3] == ["30.0 s", "-", "1.50x"]
     assert rows[("diloco:H4", "even")][-1] == "1/8"
+    # no even run of its own: against decent:ring:H2's (the periods differ only with the speeds)
+    assert rows[("decent:ring:H2:fixed", "half")][:3] == ["40.0 s", "-", "2.00x"]
     assert rows[("decent:ring:H2:x2", "even")][:3] == ["16.0 s", "0.40x", "-"]
 
 
