@@ -5,7 +5,10 @@ registry, ``methods.py``) and trains on batches drawn from a generator seeded by
 step), under the schedule (warm-up then cosine to 10% of the peak), gradient clipping at 1.0 and
 the emulated device time (``_devices.py``). Every ``--eval-every`` steps the clock stops, the
 consensus model is evaluated on the held-out batches, and a barrier restarts the clock; training
-time counts to the last rank's arrival. ``uneven`` methods keep snapshots at their rounds
+time counts to the last rank's arrival. With emulated devices each step is padded to its device
+time after forward and backward, before any communication, so DDP all-reduces its gradients
+after the pad (one flat buffer) instead of inside backward; Decent-DP, which communicates inside
+backward, is padded at the start of the step. ``uneven`` methods keep snapshots at their rounds
 instead and evaluate them afterwards (``_replay``). Rank 0 writes the method's row (``--part``).
 """
 

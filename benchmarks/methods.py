@@ -126,6 +126,18 @@ def _ddp(m: dict, ctx) -> Built:
     return Built(net, opt, ctx.args.lr, contextlib.nullcontext)
 
 
+def _none(m: dict, ctx) -> Built:
+    """No communication: every rank trains alone (the floor of what a method saves by sending
+    less); its consensus is still the workers' mean."""
+    import torch
+    from _diloco import averaged_parameters
+
+    peak = _peak(m, ctx, ctx.args.lr)
+    opt = torch.optim.AdamW(ctx.groups, lr=peak, betas=ctx.betas)
+    opt.bytes_sent = 0  # type: ignore[attr-defined]
+    return Built(ctx.model, opt, peak, lambda: averaged_parameters(ctx.params))
+
+
 def _codec(m: dict):
     """``compression=`` for ``decent``: the name, or with ``:g<gamma>`` the codec object with
     that consensus step."""
@@ -240,4 +252,5 @@ REGISTRY: dict[str, Entry] = {
     "sdiloco": Entry(_streaming, STREAM),
     "torchft-diloco": Entry(_streaming, STREAM, missing=_torchft_missing),
     "torchft-sdiloco": Entry(_streaming, STREAM, missing=_torchft_missing),
+    "none": Entry(_none, ("x",)),
 }

@@ -62,6 +62,16 @@ def describe(meta: dict) -> tuple[str, str, int, str]:
     return link, shape, seed, hardware
 
 
+def _add(groups: dict, meta: dict) -> None:
+    """One run into ``groups``; a method already there on the same hardware stays."""
+    link, shape, seed, hw = describe(meta)
+    run = groups.setdefault((link, shape, seed), {}).setdefault(
+        hw, {"rows": {}, "load": meta["loadavg"]}
+    )
+    for r in meta["rows"]:
+        run["rows"].setdefault(r["method"], r)
+
+
 def load(tags: list[str], results: Path = RESULTS) -> dict:
     """{(link, shape, seed): {hardware: {"rows": {method: row}, "load": loadavg}}}."""
     groups: dict = {}
@@ -70,13 +80,7 @@ def load(tags: list[str], results: Path = RESULTS) -> dict:
         if not paths:
             raise SystemExit(f"no results {results}/ttq_{tag}.json")
         for path in paths:
-            meta = json.loads(path.read_text())
-            link, shape, seed, hw = describe(meta)
-            run = groups.setdefault((link, shape, seed), {}).setdefault(
-                hw, {"rows": {}, "load": meta["loadavg"]}
-            )
-            for r in meta["rows"]:
-                run["rows"].setdefault(r["method"], r)
+            _add(groups, json.loads(path.read_text()))
     order = {h: i for i, h in enumerate(HARDWARE)}
     return {
         k: dict(sorted(v.items(), key=lambda kv: order.get(kv[0], 9))) for k, v in groups.items()
@@ -108,8 +112,9 @@ def _even(group: dict, method: str) -> dict | None:
 def table(key: tuple, group: dict, versus: str | None) -> str:
     link, shape, seed = key
     loads = ", ".join(f"{hw} {run['load'][0]:.1f}" for hw, run in group.items())
+    uneven = "even" in group and len(group) > 1
     head = ["method", "hardware", "time to DDP's loss", *(["vs V"] if versus else []),
-            "vs even", "steps", "ms / step", "final loss", "vs DDP", "bytes / step vs DDP"]  # fmt: skip
+            *(["vs even"] if uneven else []), "steps", "ms / step", "final loss", "vs DDP", "bytes / step vs DDP"]  # fmt: skip
     lines = [f"{link}, {shape}, seed {seed} (load average at the end: {loads})"
              + (f"; V = {versus}" if versus else ""), "",
              "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]  # fmt: skip
@@ -122,13 +127,20 @@ def table(key: tuple, group: dict, versus: str | None) -> str:
             cells = [f"{t:.1f} s" if t is not None else f"not reached ({row['train_s']:.0f} s)"]
             if versus:
                 cells.append(_ratio(t, time_to(run["rows"].get(versus), None)))
-            cells.append("-" if hw == "even" else _ratio(t, time_to(_even(group, method), None)))
+            if uneven:
+                cells.append(
+                    "-" if hw == "even" else _ratio(t, time_to(_even(group, method), None))
+                )
             cells += [str(row["steps"]), f"{row['ms_per_step']:.1f}", f"{row['final_loss']:.4f}"]
             cells.append(
                 f"{(row['final_loss'] / ddp['final_loss'] - 1) * 100:+.2f}%" if ddp else "-"
             )
-            sent, base = row.get("bytes_per_step"), (ddp or {}).get("bytes_per_step")
-            cells.append(f"1/{base / sent:.0f}" if sent and base and row is not ddp else "-")
+            base = (ddp or {}).get("bytes_per_step")
+            wire = [f"1/{base / b:.0f}" if b and base and row is not ddp else "-"
+                    for b in (row.get("bytes_per_step"), row.get("bytes_per_step_after_first_eval"))]  # fmt: skip
+            cells.append(
+                wire[0] + (f" ({wire[1]} after the first evaluation)" if wire[1] != "-" else "")
+            )
             lines.append(f"| {method} | {hw} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -196,7 +208,7 @@ def plot(groups: dict, out: Path) -> list[Path]:
 def write_run(args, nnodes: int, rows: list[dict], notes: list[str], regime: str) -> None:
     """One run's results (the runner's): ``ttq_<tag>.csv`` (the curves), ``.md`` (its table:
     each method against DDP) and ``.json`` (everything, with the run's link, shape, hardware)."""
-    out, ddp, load = Path(args.out), rows[0], os.getloadavg()
+    out, load = Path(args.out), os.getloadavg()
     with open(out / f"ttq_{args.tag}.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["tag", "method", "step", "train_s", "val_loss"])
@@ -204,37 +216,22 @@ def write_run(args, nnodes: int, rows: list[dict], notes: list[str], regime: str
             for c in r["curve"]:
                 w.writerow([args.tag, r["method"], c["step"], f"{c['train_s']:.3f}",
                             f"{c['val_loss']:.6f}"])  # fmt: skip
-    lines = [
-        f"`{args.tag}`: {nnodes} node(s) x {args.nproc} ranks, gloo, {args.workload} workload, global batch "
-        f"{args.global_batch}, DDP schedule {args.steps} steps (warm-up {args.warmup}), eval every "
-        f"{args.eval_every} steps (excluded), target = DDP's final held-out loss "
-        f"{ddp['final_loss']:.4f}; {_devices.describe(args)}{regime}; load average at the end "
-        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
-        "",
-        "| method | time to target s | vs DDP | steps | ms / step | final loss | vs DDP loss "
-        "| bytes / step vs DDP | after the first evaluation |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        t = r["train_s"] if r is ddp else r["time_to_target_s"]
-        when = f"{t:.1f}" if t is not None else f"not reached ({r['train_s']:.0f} s)"
-        ratio = f"{t / ddp['train_s']:.2f}x" if t is not None else "-"
-        gap = (r["final_loss"] / ddp["final_loss"] - 1) * 100
-        sent, ddp_sent = r.get("bytes_per_step"), ddp.get("bytes_per_step")
-        wire = [f"1/{ddp_sent / b:.0f}" if b and ddp_sent and r is not ddp else "-"
-                for b in (sent, r.get("bytes_per_step_after_first_eval"))]  # fmt: skip
-        lines.append(
-            f"| {r['method']} | {when} | {ratio} | {r['steps']} | {r['ms_per_step']:.1f} | "
-            f"{r['final_loss']:.4f} | {gap:+.2f}% | {wire[0]} | {wire[1]} |"
-        )
-    table = "\n".join(lines + [""] + [f"* {n}" for n in notes])
-    (out / f"ttq_{args.tag}.md").write_text(table + "\n")
     hardware = args.hardware[0] if args.hardware else None
     meta = {"tag": args.tag, "argv": sys.argv[1:], "loadavg": load, "link": args.link,
             "shape": f"{nnodes}x{args.nproc}", "hardware": hardware, "seed": args.seed,
             "rows": rows, "notes": notes}  # fmt: skip
     (out / f"ttq_{args.tag}.json").write_text(json.dumps(meta, indent=2))
-    print(table, flush=True)
+    groups: dict = {}
+    _add(groups, meta)
+    key, group = next(iter(groups.items()))
+    text = "\n".join([
+        f"`{args.tag}`: {nnodes} node(s) x {args.nproc} ranks, gloo, {args.workload} workload, "
+        f"global batch {args.global_batch}, DDP schedule {args.steps} steps (warm-up "
+        f"{args.warmup}), eval every {args.eval_every} steps (excluded), target = DDP's final "
+        f"held-out loss {rows[0]['final_loss']:.4f}; {_devices.describe(args)}{regime}",
+        "", table(key, group, "ddp"), "", *[f"* {n}" for n in notes]])  # fmt: skip
+    (out / f"ttq_{args.tag}.md").write_text(text + "\n")
+    print(text, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

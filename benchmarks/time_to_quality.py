@@ -72,6 +72,7 @@ def campaign(args, worker_args: argparse.ArgumentParser) -> None:
     tags = [args.tag.format(**n) for n in names]
     if len(set(tags)) < len(tags):
         raise SystemExit(f"--tag {args.tag!r} names several runs alike: add {{seed}}/{{hardware}}")
+    failed: list[str] = []
     for (link, seed, hw), tag, n in zip(runs, tags, names):
         one = argparse.Namespace(**{**vars(args), "seed": seed, "tag": tag, "link": link[1]})
         one.regime, one.hardware = [link[2]] if link[2] else [], [hw] if hw else []
@@ -95,7 +96,11 @@ def campaign(args, worker_args: argparse.ArgumentParser) -> None:
         emulate = ["flock", "/tmp/emulate.lock", args.emulate, "--nodes", str(nodes), "--rate",
                    link[0], "--timeout", str(args.timeout), "--"]  # fmt: skip
         if subprocess.run(emulate + cmd).returncode:
-            print(f"  {tag} failed: {shlex.join(emulate + cmd)}", flush=True)
+            failed.append(f"{tag}: {shlex.join(emulate + cmd)}")
+    if failed:  # the other runs went on
+        raise SystemExit(
+            "failed (emulate-cluster's exit status; 124: --timeout):\n" + "\n".join(failed)
+        )
 
 
 def launch(args, rest: list[str]) -> None:

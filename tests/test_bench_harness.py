@@ -56,13 +56,13 @@ def test_a_bad_spec_says_what_is_wrong(spec: str, says: str) -> None:
 
 
 # -- the runner's plan ----------------------------------------------------------------------------
-def _plan(monkeypatch, *argv: str) -> list[list[str]]:
-    """The commands the runner would run for ``argv`` (none of them run)."""
+def _plan(monkeypatch, *argv: str, status: int = 0) -> list[list[str]]:
+    """The commands the runner would run for ``argv`` (none of them run; each "exits" ``status``)."""
     ran: list[list[str]] = []
 
     def record(cmd, *args, **kwargs):
         ran.append(list(cmd))
-        return type("Done", (), {"returncode": 0})()
+        return type("Done", (), {"returncode": status})()
 
     monkeypatch.setattr(time_to_quality.subprocess, "run", record)
     monkeypatch.setattr(sys, "argv", ["time_to_quality.py", *argv])
@@ -94,6 +94,13 @@ def test_the_runner_runs_each_link_seed_and_hardware_under_the_emulator(monkeypa
     assert _after(half, "--ddp-from") == "d_half.json"
     assert [_after(c, "--tag") for c in ran[2:4]] == ["1gbit_u_2x2_even_s1", "1gbit_u_2x2_half_s1"]
     assert _after(ran[4], "--rate") == "100mbit"
+
+
+def test_a_failed_run_fails_the_runner_after_the_others_ran(monkeypatch) -> None:
+    with pytest.raises(SystemExit) as caught:
+        _plan(monkeypatch, "--rate", "1gbit", "20mbit", "--methods", "ddp", status=124)
+    assert "failed (emulate-cluster's exit status; 124: --timeout)" in str(caught.value)
+    assert "1gbit: flock" in str(caught.value) and "20mbit: flock" in str(caught.value)
 
 
 @pytest.mark.parametrize(
@@ -175,6 +182,13 @@ def test_the_report_gives_the_times_and_ratios_worked_out_by_hand(results: Path,
     # no even run of its own: against decent:ring:H2's (the periods differ only with the speeds)
     assert rows[("decent:ring:H2:fixed", "half")][:3] == ["40.0 s", "-", "2.00x"]
     assert rows[("decent:ring:H2:x2", "even")][:3] == ["16.0 s", "0.40x", "-"]
+
+
+def test_one_hardware_has_no_column_against_even_hardware(results: Path, capsys) -> None:
+    report.main(["1gbit_b_even", "--results", str(results)])
+    out = capsys.readouterr().out
+    assert "| method | hardware | time to DDP's loss | steps |" in out
+    assert _cells(out)[("decent:ring:H2:x2", "even")][:2] == ["16.0 s", "100"]
 
 
 def test_the_report_gives_the_time_to_each_loss(results: Path, capsys) -> None:

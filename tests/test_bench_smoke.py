@@ -29,7 +29,7 @@ FEW = ["--steps", "4", "--warmup", "1", "--eval-every", "2", "--val-batches", "1
        "--max-steps-factor", "1", "--time-limit-factor", "0"]  # fmt: skip
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 HAS_DECENT_DP = importlib.util.find_spec("decent_dp") is not None
-OURS = ["ddp", "diloco:H2", "decent:ring:H2", "sdiloco:H2:F2:tau1:alpha0.5:q4"]
+OURS = ["ddp", "none", "diloco:H2", "decent:ring:H2", "sdiloco:H2:F2:tau1:alpha0.5:q4"]
 TORCHFT = ["torchft-diloco:H2", "torchft-sdiloco:H4:F2:tau1:alpha0.5"]
 DECENT_DP = ["decentdp:ring"]
 
