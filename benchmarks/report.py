@@ -217,7 +217,7 @@ def write_run(args, nnodes: int, rows: list[dict], notes: list[str], regime: str
                 w.writerow([args.tag, r["method"], c["step"], f"{c['train_s']:.3f}",
                             f"{c['val_loss']:.6f}"])  # fmt: skip
     hardware = args.hardware[0] if args.hardware else None
-    meta = {"tag": args.tag, "argv": sys.argv[1:], "loadavg": load, "link": args.link,
+    meta = {"tag": args.tag, "argv": sys.argv[1:], "loadavg": load, "link": args.link or "local",
             "shape": f"{nnodes}x{args.nproc}", "hardware": hardware, "seed": args.seed,
             "rows": rows, "notes": notes}  # fmt: skip
     (out / f"ttq_{args.tag}.json").write_text(json.dumps(meta, indent=2))
