@@ -60,6 +60,8 @@ def campaign(args, worker_args: argparse.ArgumentParser) -> None:
     for r in args.regime:
         links.append((_devices.regime_rate(_parameters(args), args.device_ms, r), f"R{r:g}", r))
     nodes, nproc = args.nodes, args.nproc
+    if args.one_launch and links:
+        raise SystemExit("--one-launch runs on this machine only: leave out --rate/--regime")
     if nodes > 1 and not links:
         raise SystemExit(f"--shape {args.shape} has {nodes} nodes: give --rate or --regime")
     if args.hardware and not args.device_ms:
@@ -242,6 +244,8 @@ def main() -> None:
         _devices.add_arguments(q)
     args = p.parse_args()
     if args.print_rate:
+        if len(args.regime) != 1:
+            raise SystemExit("--print-rate needs one --regime R")
         print(_devices.regime_rate(_parameters(args), args.device_ms, args.regime[0]))
         return
     if args.worker:  # one method, or (--one-launch) several, one after the other

@@ -111,6 +111,8 @@ def test_a_failed_run_fails_the_runner_after_the_others_ran(monkeypatch) -> None
         (["--hardware", "half"], "--hardware needs --device-ms"),
         (["--rate", "1gbit", "--seeds", "0", "1", "--tag", "r"], "names several runs alike"),
         (["--shape", "2by2", "--rate", "1gbit"], "nodes x ranks, e.g. 2x2"),
+        (["--one-launch", "--rate", "1gbit"], "--one-launch runs on this machine only"),
+        (["--print-rate"], "--print-rate needs one --regime R"),
     ],
 )
 def test_the_runner_refuses_a_bad_plan_before_it_runs(monkeypatch, argv, says) -> None:
