@@ -91,7 +91,10 @@ def test_every_method_of_ours_and_the_peers_leaves_a_finite_curve(tmp_path: Path
 )
 def test_the_shakespeare_workload_trains(tmp_path: Path) -> None:
     methods = ["ddp", "sdiloco:H2:F2:tau1:alpha0.5:q8"]
-    extra = ["--workload", "shakespeare", "--device-ms", "5", "--regime", "3"]
+    # --inner: one run as emulate-cluster's node starts it (here one node, no emulated link),
+    # which records the regime its link was set for
+    extra = ["--workload", "shakespeare", "--device-ms", "5", "--regime", "3", "--inner",
+             "--shape", "1x2"]  # fmt: skip
     _check_curves(_harness(tmp_path, methods, *extra), methods)
     # 1.84M parameters: 58.7 Mbit per fp32 copy over 3 steps of 5 ms
     assert "regime R = 3 (link 3915949kbit per node)" in (tmp_path / "ttq_smoke.md").read_text()
