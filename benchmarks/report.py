@@ -1,0 +1,256 @@
+"""The time-to-quality harness's report: tables and plots over the results of several runs.
+
+    python benchmarks/report.py TAG [TAG ...] [--losses 0.6,0.5] [--versus METHOD] [--plot DIR]
+
+Each TAG names ``benchmarks/results/ttq_<TAG>.json`` (shell patterns allowed, quoted:
+``'1gbit_outer_*'``). The runs are grouped by link (rate or regime R), cluster shape and seed;
+inside a group each run is one hardware (even, half, quarter, jitter: from the run's record, or
+for older runs from its arguments), and where several tags give a method on the same hardware the
+first tag's row is taken. Per group, one table: each method's time to DDP's final held-out loss
+(DDP's own: its training time), over ``--versus``'s time on the same hardware and over the same
+method's time on even hardware, its steps, ms per step, final loss against DDP's, bytes per step
+against DDP's. With ``--losses``, a second table: the time to each loss (the first evaluation at
+or below it), with the same two ratios:
+
+.. math::
+    t_m(\\ell) = \\min\\{\\, s_k : \\ell_k \\le \\ell \\,\\}, \\qquad
+    \\text{vs } V = t_m(\\ell) / t_V(\\ell), \\qquad
+    \\text{vs even} = t_m^{hw}(\\ell) / t_m^{even}(\\ell),
+
+over the evaluations :math:`(s_k, \\ell_k)` of the method's curve (seconds, held-out loss); a
+method with no even run of its own, ``...:fixed``, is compared with its even run without it (the
+periods differ only when the speeds do). ``--plot DIR``: one PNG per link and shape,
+``DIR/ttq_<link>_<shape>.png``, held-out loss against wall-clock, one panel per hardware and seed.
+The runner writes each run's own table with ``write_run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+
+import _devices
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HARDWARE = ("even", "half", "quarter", "jitter")
+
+
+def _argv(meta: dict, flag: str, default: str) -> str:
+    argv = meta.get("argv", [])
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else default
+
+
+def describe(meta: dict) -> tuple[str, str, int, str]:
+    """(link, shape, seed, hardware) of a run: its record, or (older runs) its tag and argv."""
+    row = meta["rows"][0]
+    local = row.get("local_world_size") or 1
+    shape = meta.get("shape") or f"{row['world_size'] // local}x{local}"
+    link = meta.get("link") or meta["tag"].split("_")[0]
+    seed = int(meta.get("seed", _argv(meta, "--seed", "0")))
+    hardware = meta.get("hardware")
+    if hardware is None:
+        speeds = [float(s) for s in _argv(meta, "--speeds", "").split(",") if s]
+        slow = {0.5: "half", 0.25: "quarter"}
+        if speeds and min(speeds) < 1:
+            hardware = slow.get(min(speeds), "speeds " + ",".join(f"{s:g}" for s in speeds))
+        else:
+            hardware = "jitter" if float(_argv(meta, "--jitter-cv", "0")) else "even"
+    return link, shape, seed, hardware
+
+
+def _add(groups: dict, meta: dict) -> None:
+    """One run into ``groups``; a method already there on the same hardware stays."""
+    link, shape, seed, hw = describe(meta)
+    run = groups.setdefault((link, shape, seed), {}).setdefault(
+        hw, {"rows": {}, "load": meta["loadavg"]}
+    )
+    for r in meta["rows"]:
+        run["rows"].setdefault(r["method"], r)
+
+
+def load(tags: list[str], results: Path = RESULTS) -> dict:
+    """{(link, shape, seed): {hardware: {"rows": {method: row}, "load": loadavg}}}."""
+    groups: dict = {}
+    for tag in tags:
+        paths = sorted(results.glob(f"ttq_{tag}.json"))
+        if not paths:
+            raise SystemExit(f"no results {results}/ttq_{tag}.json")
+        for path in paths:
+            _add(groups, json.loads(path.read_text()))
+    order = {h: i for i, h in enumerate(HARDWARE)}
+    return {
+        k: dict(sorted(v.items(), key=lambda kv: order.get(kv[0], 9))) for k, v in groups.items()
+    }
+
+
+def time_to(row: dict | None, loss: float | None) -> float | None:
+    """Seconds to ``loss`` (None: the run's target, DDP's final loss; DDP: its training time)."""
+    if row is None:
+        return None
+    if loss is None:
+        if row["method"] == "ddp":
+            return row["train_s"]
+        loss = row["target"]
+        if loss is None:
+            return None
+    return next((c["train_s"] for c in row["curve"] if c["val_loss"] <= loss), None)
+
+
+def _ratio(t: float | None, base: float | None) -> str:
+    return "-" if t is None or not base else f"{t / base:.2f}x"
+
+
+def _even(group: dict, method: str) -> dict | None:
+    rows = group.get("even", {}).get("rows", {})
+    return rows.get(method) or rows.get(method.removesuffix(":fixed"))
+
+
+def table(key: tuple, group: dict, versus: str | None) -> str:
+    link, shape, seed = key
+    loads = ", ".join(f"{hw} {run['load'][0]:.1f}" for hw, run in group.items())
+    uneven = "even" in group and len(group) > 1
+    head = ["method", "hardware", "time to DDP's loss", *(["vs V"] if versus else []),
+            *(["vs even"] if uneven else []), "steps", "ms / step", "final loss", "vs DDP", "bytes / step vs DDP"]  # fmt: skip
+    lines = [f"{link}, {shape}, seed {seed} (load average at the end: {loads})"
+             + (f"; V = {versus}" if versus else ""), "",
+             "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]  # fmt: skip
+    for method in dict.fromkeys(m for run in group.values() for m in run["rows"]):
+        for hw, run in group.items():
+            row, ddp = run["rows"].get(method), run["rows"].get("ddp")
+            if row is None:
+                continue
+            t = time_to(row, None)
+            cells = [f"{t:.1f} s" if t is not None else f"not reached ({row['train_s']:.0f} s)"]
+            if versus:
+                cells.append(_ratio(t, time_to(run["rows"].get(versus), None)))
+            if uneven:
+                cells.append(
+                    "-" if hw == "even" else _ratio(t, time_to(_even(group, method), None))
+                )
+            cells += [str(row["steps"]), f"{row['ms_per_step']:.1f}", f"{row['final_loss']:.4f}"]
+            cells.append(
+                f"{(row['final_loss'] / ddp['final_loss'] - 1) * 100:+.2f}%" if ddp else "-"
+            )
+            base = (ddp or {}).get("bytes_per_step")
+            wire = [f"1/{base / b:.0f}" if b and base and row is not ddp else "-"
+                    for b in (row.get("bytes_per_step"), row.get("bytes_per_step_after_first_eval"))]  # fmt: skip
+            cells.append(
+                wire[0] + (f" ({wire[1]} after the first evaluation)" if wire[1] != "-" else "")
+            )
+            lines.append(f"| {method} | {hw} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def at_losses(group: dict, losses: list[float], versus: str | None) -> str:
+    """Time to each loss, with its ratio to ``versus`` and to the same method on even hardware."""
+    lines = ["| method | hardware | " + " | ".join(f"to {x:g}" for x in losses) + " | final |",
+             "|---|---|" + "---:|" * (len(losses) + 1)]  # fmt: skip
+    for method in dict.fromkeys(m for run in group.values() for m in run["rows"]):
+        for hw, run in group.items():
+            row = run["rows"].get(method)
+            if row is None:
+                continue
+            cells = []
+            for loss in losses:
+                t = time_to(row, loss)
+                why = []
+                if versus and method != versus:
+                    why.append(_ratio(t, time_to(run["rows"].get(versus), loss)) + " V")
+                if hw != "even":
+                    why.append(_ratio(t, time_to(_even(group, method), loss)) + " even")
+                cell = "-" if t is None else f"{t:.1f} s"
+                cells.append(cell + (f" ({', '.join(why)})" if why and t is not None else ""))
+            lines.append(
+                f"| {method} | {hw} | " + " | ".join(cells) + f" | {row['final_loss']:.4f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(groups: dict, out: Path) -> list[Path]:
+    """One PNG per (link, shape): held-out loss against training seconds, a panel per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for link, shape in dict.fromkeys((k[0], k[1]) for k in groups):
+        panels = [(seed, hw, run) for (li, sh, seed), group in groups.items()
+                  if (li, sh) == (link, shape) for hw, run in group.items()]  # fmt: skip
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+        for ax, (seed, hw, run) in zip(axes[0], panels):
+            colors = iter(plt.get_cmap("tab20").colors)
+            for method, r in run["rows"].items():
+                ddp = method == "ddp"
+                ax.plot([c["train_s"] for c in r["curve"]], [c["val_loss"] for c in r["curve"]],
+                        color="k" if ddp else next(colors), lw=2 if ddp else 1.2, label=method,
+                        ls="--" if method.startswith("diloco") else "-")  # fmt: skip
+            target = run["rows"]["ddp"]["final_loss"] if "ddp" in run["rows"] else None
+            if target:
+                ax.axhline(target, color="k", lw=0.8, ls=":", label="DDP's final loss")
+                ax.set_ylim(0.97 * target, 1.3 * target)  # the approach to it is what matters
+            ax.set_title(f"{link}, {shape}, {hw}, seed {seed}")
+            ax.set_xlabel("training wall-clock s (evaluation excluded)")
+            ax.set_ylabel("held-out loss of the consensus model")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        out.mkdir(parents=True, exist_ok=True)
+        written.append(out / f"ttq_{link}_{shape}.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
+def write_run(args, nnodes: int, rows: list[dict], notes: list[str], regime: str) -> None:
+    """One run's results (the runner's): ``ttq_<tag>.csv`` (the curves), ``.md`` (its table:
+    each method against DDP) and ``.json`` (everything, with the run's link, shape, hardware)."""
+    out, load = Path(args.out), os.getloadavg()
+    with open(out / f"ttq_{args.tag}.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["tag", "method", "step", "train_s", "val_loss"])
+        for r in rows:
+            for c in r["curve"]:
+                w.writerow([args.tag, r["method"], c["step"], f"{c['train_s']:.3f}",
+                            f"{c['val_loss']:.6f}"])  # fmt: skip
+    hardware = args.hardware[0] if args.hardware else None
+    meta = {"tag": args.tag, "argv": sys.argv[1:], "loadavg": load, "link": args.link or "local",
+            "shape": f"{nnodes}x{args.nproc}", "hardware": hardware, "seed": args.seed,
+            "rows": rows, "notes": notes}  # fmt: skip
+    (out / f"ttq_{args.tag}.json").write_text(json.dumps(meta, indent=2))
+    groups: dict = {}
+    _add(groups, meta)
+    key, group = next(iter(groups.items()))
+    text = "\n".join([
+        f"`{args.tag}`: {nnodes} node(s) x {args.nproc} ranks, gloo, {args.workload} workload, "
+        f"global batch {args.global_batch}, DDP schedule {args.steps} steps (warm-up "
+        f"{args.warmup}), eval every {args.eval_every} steps (excluded), target = DDP's final "
+        f"held-out loss {rows[0]['final_loss']:.4f}; {_devices.describe(args)}{regime}",
+        "", table(key, group, "ddp"), "", *[f"* {n}" for n in notes]])  # fmt: skip
+    (out / f"ttq_{args.tag}.md").write_text(text + "\n")
+    print(text, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("tags", nargs="+", help="results ttq_<TAG>.json (shell patterns allowed)")
+    p.add_argument("--losses", default="", help="comma-separated: the time to each loss too")
+    p.add_argument("--versus", default=None, help="a method: each time over its time")
+    p.add_argument("--plot", default=None, help="a folder: write the plots there")
+    p.add_argument("--results", default=str(RESULTS))
+    args = p.parse_args(argv)
+    groups = load(args.tags, Path(args.results))
+    losses = [float(x) for x in args.losses.split(",") if x]
+    for key, group in groups.items():
+        print(table(key, group, args.versus) + "\n")
+        if losses:
+            print(at_losses(group, losses, args.versus) + "\n")
+    for path in plot(groups, Path(args.plot)) if args.plot else []:
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
