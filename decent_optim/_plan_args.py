@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
     positive_int, positive = _number(int, 0, True), _number(float, 0, True)
     at_least_0 = _number(float, 0, False)
     for flag, kind, default, about in [
-        ("--params", positive, None, "model size in parameters (default 10M)"),
+        ("--params", positive, None, "model size in parameters (default 10M; given with --link)"),
         ("--layers", positive_int, 4, "square layers of the synthetic workload (default 4)"),
         ("--batch", positive_int, 64, "rows per forward of the synthetic workload (default 64)"),
         ("--iters", positive_int, 10, "timed compute iterations per rank (default 10)"),
