@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from decent_optim import topologies
-from decent_optim.runtime import wire
+from decent_optim.runtime import regimes, wire
 
 __all__ = ["LAUNCH", "parse", "parser"]
 
@@ -54,6 +54,13 @@ def _compression_name(text: str) -> str:
     return text
 
 
+def _link(text: str) -> float:
+    try:
+        return regimes.link_bits(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     """Every option, each with its help."""
     p = argparse.ArgumentParser(
@@ -69,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
     positive_int, positive = _number(int, 0, True), _number(float, 0, True)
     at_least_0 = _number(float, 0, False)
     for flag, kind, default, about in [
-        ("--params", positive, 10e6, "model size in parameters (default 10M)"),
+        ("--params", positive, None, "model size in parameters (default 10M; given with --link)"),
         ("--layers", positive_int, 4, "square layers of the synthetic workload (default 4)"),
         ("--batch", positive_int, 64, "rows per forward of the synthetic workload (default 64)"),
         ("--iters", positive_int, 10, "timed compute iterations per rank (default 10)"),
@@ -107,7 +114,24 @@ def parser() -> argparse.ArgumentParser:
         metavar="R",
         help="seconds one float32 copy of the model takes over a node's uplink / seconds per "
         "step: print which compression keeps a round hidden at R (with --local-steps, per H; "
-        "the --compression names, else a list of candidates); without torchrun only that",
+        "the --compression names, else a list of candidates) and the setting to start from; "
+        "without torchrun only that",
+    )
+    p.add_argument(
+        "--link",
+        type=_link,
+        default=None,
+        metavar="RATE",
+        help="with --params and --step-ms instead of --r: a node's uplink in bits per second "
+        "(100mbit, 1gbit, 10gbit); R = 32 x params / bits per second / seconds per step, on "
+        "float32 copies whatever --dtype and --compression say",
+    )
+    p.add_argument(
+        "--step-ms",
+        type=positive,
+        default=None,
+        metavar="S",
+        help="with --params and --link: device milliseconds of one training step",
     )
     p.add_argument(
         "--local-steps",
@@ -134,6 +158,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """The options of ``argv``; a usage error (exit 2) naming the option for a bad value."""
     p = parser()
     args = p.parse_args(argv)
+    args.ratio_text = None
+    parts = {"--link": args.link, "--step-ms": args.step_ms}
+    if any(v is not None for v in parts.values()):
+        if args.r is not None:
+            p.error(
+                "pick one: --r R, or --params N --link RATE --step-ms S to compute R from its parts"
+            )
+        missing = [flag for flag, v in {"--params": args.params, **parts}.items() if v is None]
+        if missing:
+            needs = "R from its parts needs --params N --link RATE --step-ms S"
+            p.error(f"{needs}; add {' '.join(missing)}")
+        step_s = args.step_ms / 1e3
+        try:
+            args.r = regimes.ratio(args.params, args.link, step_s)
+        except ValueError as err:
+            p.error(str(err))
+        args.ratio_text = regimes.ratio_text(args.params, args.link, step_s)
+    if args.params is None:
+        args.params = 10e6
     if args.overlap > 1:
         p.error(f"argument --overlap: must be in [0, 1], got {args.overlap:g}")
     if args.params < args.layers:

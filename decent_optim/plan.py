@@ -16,9 +16,11 @@ In well under a minute it measures, at the given model size:
   table with the reason); with ``--compression bf16 int8 top1%+int2`` also the compressed rounds
   (``<topology>+<compression>``; only on more than one node, where they apply).
 
-With ``--r R`` (seconds of one float32 copy over a node's uplink / seconds per step) it also names
-the compression that keeps a round hidden for each H (:func:`decent_optim.runtime.wire.hidden`);
-without torchrun it prints only that.
+With ``--r R`` (seconds of one float32 copy over a node's uplink / seconds per step), or R from
+its parts, ``--params N --link 10gbit --step-ms 55``, it also names the compression that keeps a
+round hidden for each H (:func:`decent_optim.runtime.wire.hidden`) and the setting to start from
+at that R with its costs (:func:`decent_optim.runtime.regimes.recommend`); without torchrun it
+prints only that.
 
 With ``--local-steps 4 16`` it also predicts every topology gossiping every H steps
 (``local_steps=H``: the round travels during H iterations) and DiLoCo's blocking all-reduce of
@@ -42,13 +44,13 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 
 import torch
 
 from decent_optim import runtime, topologies
 from decent_optim._plan_args import LAUNCH, parse
 from decent_optim._plan_args import parser as _parser  # noqa: F401  (tests read its options)
+from decent_optim._plan_report import as_json, format_table, predict
 from decent_optim.gossip import Gossiper
 from decent_optim.gossip.collectives import (
     all_reduce_,
@@ -59,9 +61,9 @@ from decent_optim.gossip.collectives import (
     shutdown,
     slowest,
 )
-from decent_optim.runtime import wire
+from decent_optim.runtime import regimes
 
-__all__ = ["main", "measure"]
+__all__ = ["format_table", "main", "measure", "predict"]
 
 
 def _sync(device: torch.device) -> None:
@@ -218,67 +220,14 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
     return result
 
 
-def predict(
-    measured: dict,
-    overlap: float,
-    local_steps: Sequence[int] = (),
-    speeds: Sequence[float] | None = None,
-) -> list[tuple[runtime.Prediction, float]]:
-    """Predictions, fastest first, with the speedup over All-Reduce; with ``local_steps`` also
-    every topology gossiping every H steps and DiLoCo's all-reduce every H steps, per H; with
-    ``speeds`` (a factor per worker) on workers of those speeds, and ``uneven=True`` per H."""
-    even = runtime.Workload(
-        compute_mean=measured["compute_mean_s"],
-        compute_std=measured["compute_std_s"],
-        update_time=measured["update_s"],
-        backward_fraction=min(1.0, max(0.0, measured["backward_fraction"])),
-    )
-    # step-locked methods wait for the slowest worker (decent_optim.runtime.uneven)
-    workload = runtime.paced(even, speeds) if speeds else even
-    gossip = {k: (v["round_s"], v["degrees"]) for k, v in measured["gossip"].items()}
-    n, allreduce_s = measured["world_size"], measured["allreduce_s"]
-    rows = runtime.recommend(workload, n, allreduce_s, gossip, overlap)
-    if not local_steps:
-        return rows
-    base = next(p for p, _ in rows if p.method == "all-reduce").iteration
-    preds = [p for p, _ in rows]
-    for h in local_steps:
-        preds += [runtime.predict_local_steps(workload, t, d, h, k) for k, (t, d) in gossip.items()]
-        preds.append(runtime.predict_diloco(workload, n, allreduce_s, h))
-        if speeds:
-            preds += [runtime.predict_uneven(even, speeds, t, h, k) for k, (t, _) in gossip.items()]
-    preds.sort(key=lambda p: p.iteration)
-    return [(p, base / p.iteration if p.iteration > 0 else 1.0) for p in preds]
-
-
-def format_table(measured: dict, rows: list[tuple[runtime.Prediction, float]]) -> str:
-    m = measured
-    lines = [
-        f"{m['world_size']} workers ({m['local_world_size']} per node, {m['backend']}), "
-        f"{m['params'] / 1e6:.2f}M parameters ({m['bytes'] / 2**20:.1f} MiB)",
-        f"compute {m['compute_mean_s'] * 1e3:.1f} ms +- {m['compute_std_s'] * 1e3:.1f} ms, "
-        f"local update {m['update_s'] * 1e3:.1f} ms, all-reduce {m['allreduce_s'] * 1e3:.1f} ms",
-        "bytes per copy on a link between nodes: "
-        + ", ".join(f"{c} {b / 2**20:.1f} MiB" for c, b in m.get("wire_bytes", {}).items()),
-        "",
-        "| method | predicted ms / iteration | waits on compute ms | communication ms | exposed ms | speedup vs all-reduce |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for p, speedup in rows:
-        lines.append(
-            f"| {p.method} | {p.iteration * 1e3:.1f} | {p.compute * 1e3:.1f} | {p.comm * 1e3:.1f} "
-            f"| {p.exposed_comm * 1e3:.1f} | {speedup:.2f}x |"
-        )
-    best, speedup = rows[0]
-    lines += ["", f"recommended: {best.method} ({speedup:.2f}x the speed of all-reduce, predicted)"]
-    lines += [f"not measured: {name}: {why}" for name, why in m.get("skipped", {}).items()]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if args.r is not None and "RANK" not in os.environ:  # the table alone: nothing to measure
-        print(wire.hidden_text(args.r, args.local_steps, args.compression))
+    regime = ""
+    if args.r is not None:
+        regime = regimes.report(args.r, args.local_steps, args.compression)
+        regime = "\n".join(filter(None, [args.ratio_text, regime]))
+    if regime and "RANK" not in os.environ:  # the table alone: nothing to measure
+        print(regime)
         return 0
     if "RANK" not in os.environ:
         raise SystemExit(
@@ -292,25 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = predict(measured, args.overlap, args.local_steps, speeds)
         if group_info()[0] == 0:
             print(format_table(measured, rows), flush=True)
-            if args.r is not None:
-                print(wire.hidden_text(args.r, args.local_steps, args.compression))
+            if regime:
+                print("\n" + regime)
             if args.json:
-                out = {
-                    "measured": measured,
-                    "predicted": [
-                        {
-                            "method": p.method,
-                            "iteration_s": p.iteration,
-                            "speedup": s,
-                            "compute_s": p.compute,
-                            "comm_s": p.comm,
-                            "exposed_s": p.exposed_comm,
-                        }
-                        for p, s in rows
-                    ],
-                }
                 with open(args.json, "w") as f:
-                    json.dump(out, f, indent=2)
+                    json.dump(as_json(measured, rows), f, indent=2)
     finally:
         shutdown()
     return 0
