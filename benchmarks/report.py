@@ -195,7 +195,7 @@ def plot(groups: dict, out: Path) -> list[Path]:
 
 
 ALIKE = {"--workload": "char", "--steps": "1200", "--warmup": "240", "--global-batch": "32",
-         "--lr": "6e-3", "--decent-lr-factor": "2", "--local-world-size": "0"}  # fmt: skip
+         "--lr": "6e-3", "--decent-lr-factor": "2", "--local-world-size": "0", "--device-ms": "0"}  # fmt: skip
 
 
 def _alike(meta: dict) -> dict:

@@ -306,6 +306,7 @@ def test_a_full_run_as_the_timing_side_checks_the_composition(tmp_path: Path, ca
         (["--seed", "1"], "--seed differs (0 vs 1)"),
         (["--global-batch", "64"], "--global-batch differs"),
         (["--warmup", "20"], "--warmup differs"),
+        (["--device-ms", "80"], "--device-ms differs (0.0 vs 80.0)"),  # DDP's all-reduce follows it
         (["--workload", "shakespeare"], "--workload differs (char vs shakespeare)"),
     ],
 )
