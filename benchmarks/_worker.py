@@ -56,10 +56,8 @@ def worker(args) -> None:
     model = work.make_model()
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
-    groups = [
-        {"params": decay, "weight_decay": 0.1},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = [{"params": decay, "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
     ctx = SimpleNamespace(args=args, model=model, params=params, groups=groups,
                           betas=(0.9, 0.95), decent_lr=args.lr * args.decent_lr_factor,
                           lr_factor=lr_factor)  # fmt: skip
@@ -88,9 +86,10 @@ def worker(args) -> None:
         max_steps = int(args.steps * args.uneven_budget_factor)
     time_limit = None
     if args.target_from and args.time_limit_factor:
-        time_limit = (
-            args.time_limit_factor * json.loads(Path(args.target_from).read_text())["train_s"]
-        )
+        time_limit = args.time_limit_factor * json.loads(Path(args.target_from).read_text())["train_s"]  # fmt: skip
+    timing = args.timing_steps  # a timing run: no target, no evaluation, the clock at 2 points
+    if timing:
+        max_steps, target, time_limit, marks = timing, None, None, (methods.period(args.method),)
     device = _devices.Device(args, rank, n)
     if device.on and built.steps_in_backward:  # Decent-DP: one step's real compute, on a copy
         import copy
@@ -149,18 +148,19 @@ def worker(args) -> None:
                 snapshots.append((elapsed_s, opt.progress, [p.detach().clone() for p in params]))
             continue
         done = step
-        if done % args.eval_every and done != max_steps:
+        if (done not in marks if timing else done % args.eval_every) and done != max_steps:
             continue
         # the wall-clock when the last rank got here; evaluation is not counted
         elapsed = torch.tensor([time.perf_counter() - resumed], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         train_s += float(elapsed.item())
-        loss = consensus_loss()
+        loss = None if timing else consensus_loss()
         rows.append({"step": done, "train_s": train_s, "val_loss": loss})
         if isinstance(getattr(opt, "bytes_sent", None), int):
             rows[-1]["bytes_sent"] = opt.bytes_sent
         if rank == 0:
-            print(f"    {args.method}: step {done} {train_s:.1f}s loss {loss:.4f}", flush=True)
+            said = "" if loss is None else f" loss {loss:.4f}"  # a timing run: no loss
+            print(f"    {args.method}: step {done} {train_s:.1f}s{said}", flush=True)
         if target is not None and reached is None and loss <= target:
             reached = train_s
         stop = reached is not None or (time_limit is not None and train_s > time_limit)
@@ -190,6 +190,8 @@ def worker(args) -> None:
             "bytes_per_step_after_first_eval": _bytes_after_first(rows),
             "curve": rows,
         }
+        if timing:  # seconds per step after the first period (its start-up excluded)
+            out.update(kind="timing", timed_from=rows[0]["step"], s_per_step=(train_s - rows[0]["train_s"]) / (steps - rows[0]["step"]))  # fmt: skip
         Path(args.part).write_text(json.dumps(out))
     dist.barrier()  # the part is written (a next method in the same launch reads the target)
 

@@ -83,9 +83,7 @@ def parse(spec: str) -> dict:
         letters = match[1] if match else p
         if letters not in entry.parts:
             allowed = ", ".join(entry.parts) or "none"
-            raise SystemExit(
-                f"bad method {spec!r}: unknown part {p!r} (parts of {kind}: {allowed})"
-            )
+            raise SystemExit(f"bad method {spec!r}: unknown part {p!r} (parts of {kind}: {allowed})")  # fmt: skip
         key, kind_of = PARTS[letters]
         if (kind_of is bool) != (match[2] is None):
             raise SystemExit(f"bad method {spec!r}: {p!r} " + (
@@ -254,3 +252,8 @@ REGISTRY: dict[str, Entry] = {
     "torchft-sdiloco": Entry(_streaming, STREAM, missing=_torchft_missing),
     "none": Entry(_none, ("x",)),
 }
+
+
+def period(spec: str) -> int:
+    """Steps after which a step-locked method's work repeats: its longest period (with a delay)."""
+    return max((m := parse(spec))["H"], m["slow"] or 1) + m["tau"]

@@ -21,7 +21,10 @@ over the evaluations :math:`(s_k, \\ell_k)` of the method's curve (seconds, held
 method with no even run of its own, ``...:fixed``, is compared with its even run without it (the
 periods differ only when the speeds do). ``--plot DIR``: one PNG per link and shape,
 ``DIR/ttq_<link>_<shape>.png``, held-out loss against wall-clock, one panel per hardware and seed.
-The runner writes each run's own table with ``write_run``.
+The runner writes each run's own table with ``write_run``. ``--compose Q T [Q T ...]``, for
+step-locked methods: the time to a loss = quality run Q's steps to it (as above) x timing run T's
+seconds per step (``--timing-steps``; a full run as T checks it); the two must train alike
+(``ALIKE``); ``:uneven`` methods are refused.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import sys
 from pathlib import Path
 
 import _devices
+import methods
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HARDWARE = ("even", "half", "quarter", "jitter")
@@ -65,39 +69,33 @@ def describe(meta: dict) -> tuple[str, str, int, str]:
 def _add(groups: dict, meta: dict) -> None:
     """One run into ``groups``; a method already there on the same hardware stays."""
     link, shape, seed, hw = describe(meta)
-    run = groups.setdefault((link, shape, seed), {}).setdefault(
-        hw, {"rows": {}, "load": meta["loadavg"]}
-    )
+    run = groups.setdefault((link, shape, seed), {}).setdefault(hw, {"rows": {}, "load": meta["loadavg"]})  # fmt: skip
     for r in meta["rows"]:
         run["rows"].setdefault(r["method"], r)
+
+
+def _paths(tag: str, results: Path) -> list[Path]:
+    if not (paths := sorted(results.glob(f"ttq_{tag}.json"))):
+        raise SystemExit(f"no results {results}/ttq_{tag}.json")
+    return paths
 
 
 def load(tags: list[str], results: Path = RESULTS) -> dict:
     """{(link, shape, seed): {hardware: {"rows": {method: row}, "load": loadavg}}}."""
     groups: dict = {}
-    for tag in tags:
-        paths = sorted(results.glob(f"ttq_{tag}.json"))
-        if not paths:
-            raise SystemExit(f"no results {results}/ttq_{tag}.json")
-        for path in paths:
-            _add(groups, json.loads(path.read_text()))
+    for path in (p for tag in tags for p in _paths(tag, results)):
+        _add(groups, json.loads(path.read_text()))
     order = {h: i for i, h in enumerate(HARDWARE)}
-    return {
-        k: dict(sorted(v.items(), key=lambda kv: order.get(kv[0], 9))) for k, v in groups.items()
-    }
+    return {k: dict(sorted(v.items(), key=lambda kv: order.get(kv[0], 9))) for k, v in groups.items()}  # fmt: skip
 
 
 def time_to(row: dict | None, loss: float | None) -> float | None:
     """Seconds to ``loss`` (None: the run's target, DDP's final loss; DDP: its training time)."""
-    if row is None:
-        return None
-    if loss is None:
-        if row["method"] == "ddp":
-            return row["train_s"]
-        loss = row["target"]
-        if loss is None:
-            return None
-    return next((c["train_s"] for c in row["curve"] if c["val_loss"] <= loss), None)
+    if row is not None and loss is None and row["method"] == "ddp":
+        return row["train_s"]
+    loss = row["target"] if row is not None and loss is None else loss
+    return None if row is None or loss is None else next(
+        (c["train_s"] for c in row["curve"] if c["val_loss"] <= loss), None)  # fmt: skip
 
 
 def _ratio(t: float | None, base: float | None) -> str:
@@ -128,19 +126,13 @@ def table(key: tuple, group: dict, versus: str | None) -> str:
             if versus:
                 cells.append(_ratio(t, time_to(run["rows"].get(versus), None)))
             if uneven:
-                cells.append(
-                    "-" if hw == "even" else _ratio(t, time_to(_even(group, method), None))
-                )
+                cells.append("-" if hw == "even" else _ratio(t, time_to(_even(group, method), None)))  # fmt: skip
             cells += [str(row["steps"]), f"{row['ms_per_step']:.1f}", f"{row['final_loss']:.4f}"]
-            cells.append(
-                f"{(row['final_loss'] / ddp['final_loss'] - 1) * 100:+.2f}%" if ddp else "-"
-            )
+            cells.append(f"{(row['final_loss'] / ddp['final_loss'] - 1) * 100:+.2f}%" if ddp else "-")  # fmt: skip
             base = (ddp or {}).get("bytes_per_step")
             wire = [f"1/{base / b:.0f}" if b and base and row is not ddp else "-"
                     for b in (row.get("bytes_per_step"), row.get("bytes_per_step_after_first_eval"))]  # fmt: skip
-            cells.append(
-                wire[0] + (f" ({wire[1]} after the first evaluation)" if wire[1] != "-" else "")
-            )
+            cells.append(wire[0] + (f" ({wire[1]} after the first evaluation)" if wire[1] != "-" else ""))  # fmt: skip
             lines.append(f"| {method} | {hw} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -162,11 +154,8 @@ def at_losses(group: dict, losses: list[float], versus: str | None) -> str:
                     why.append(_ratio(t, time_to(run["rows"].get(versus), loss)) + " V")
                 if hw != "even":
                     why.append(_ratio(t, time_to(_even(group, method), loss)) + " even")
-                cell = "-" if t is None else f"{t:.1f} s"
-                cells.append(cell + (f" ({', '.join(why)})" if why and t is not None else ""))
-            lines.append(
-                f"| {method} | {hw} | " + " | ".join(cells) + f" | {row['final_loss']:.4f} |"
-            )
+                cells.append("-" if t is None else f"{t:.1f} s" + (f" ({', '.join(why)})" if why else ""))  # fmt: skip
+            lines.append(f"| {method} | {hw} | " + " | ".join(cells) + f" | {row['final_loss']:.4f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -205,31 +194,85 @@ def plot(groups: dict, out: Path) -> list[Path]:
     return written
 
 
+ALIKE = {"--workload": "char", "--steps": "1200", "--warmup": "240", "--global-batch": "32",
+         "--lr": "6e-3", "--decent-lr-factor": "2", "--local-world-size": "0", "--device-ms": "0"}  # fmt: skip
+
+
+def _alike(meta: dict) -> dict:
+    """What a --compose pair must share: the runner's flags (its defaults), seed and ranks."""
+    row, out = meta["rows"][0], {"--seed": describe(meta)[2]}
+    out.update({f: float(v) if (v := _argv(meta, f, d)).replace(".", "").replace("e-", "").isdigit() else v
+                for f, d in ALIKE.items()})  # fmt: skip
+    return {**out, "--local-world-size": out["--local-world-size"] or row["local_world_size"],
+            "ranks": row["world_size"]}  # fmt: skip
+
+
+def _s_per_step(row: dict, upto: int) -> float:
+    """Seconds per step from the first clock reading past the first period to ``upto`` (0: last)."""
+    c, first = row["curve"], methods.period(row["method"])
+    c0 = next((x for x in c[:-1] if x["step"] >= first), {"step": 0, "train_s": 0.0})
+    c1 = next((x for x in c if upto and x["step"] >= max(upto, c0["step"] + 1)), c[-1])
+    return (c1["train_s"] - c0["train_s"]) / (c1["step"] - c0["step"])
+
+
+def compose(quality: dict, timing: dict, upto: int = 0) -> tuple[dict, list[str]]:
+    """Q's rows at T's seconds per step, and the table's lines (measured: T's time, if a full run)."""
+    alike, other = _alike(quality), _alike(timing)
+    for flag in (f for f in alike if alike[f] != other[f]):
+        raise SystemExit(f"--compose {quality['tag']} {timing['tag']}: {flag} differs ("
+                         f"{alike[flag]} vs {other[flag]}): both runs must train the same "
+                         "workload, schedule, global batch and seed on as many ranks")  # fmt: skip
+    q, t = ({r["method"]: r for r in m["rows"]} for m in (quality, timing))
+    rows, notes, lines = {}, [], ["| method | steps to DDP's loss | s / step | composed time | "
+                                  "measured | error |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for method in dict.fromkeys([*q, *t]):
+        side = "timing" if method in q else "quality"
+        why = ("refused, not step-locked (arrivals decide the mixing): its time to quality needs a full run"
+               if methods.parse(method)["uneven"] else f"missing from the {side} run (or DDP, the target, is)")  # fmt: skip
+        if methods.parse(method)["uneven"] or method not in q or method not in t or "ddp" not in q:
+            notes.append(f"* {method}: {why}")
+            continue
+        sps, row = _s_per_step(t[method], upto), q[method]
+        rows[method] = row = {**row, "target": q["ddp"]["final_loss"], "train_s": row["steps"] * sps,
+                              "curve": [{**c, "train_s": c["step"] * sps} for c in row["curve"]]}  # fmt: skip
+        took = time_to(row, None)
+        full = None if t[method].get("kind") == "timing" else time_to(t[method], None)
+        cells = [f"{took / sps:.0f}", f"{sps:.4f}", f"{took:.1f} s"] if took else [
+            f"not reached in {row['steps']}", f"{sps:.4f}", "-"]  # fmt: skip
+        err = f"{(took / full - 1) * 100:+.1f}%" if full and took else "-"
+        cells += [f"{full:.1f} s" if full else "-", err]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return rows, lines + [""] * bool(notes) + notes
+
+
 def write_run(args, nnodes: int, rows: list[dict], notes: list[str], regime: str) -> None:
     """One run's results (the runner's): ``ttq_<tag>.csv`` (the curves), ``.md`` (its table:
     each method against DDP) and ``.json`` (everything, with the run's link, shape, hardware)."""
-    out, load = Path(args.out), os.getloadavg()
+    out, load, timing = Path(args.out), os.getloadavg(), getattr(args, "timing_steps", 0)
     with open(out / f"ttq_{args.tag}.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["tag", "method", "step", "train_s", "val_loss"])
         for r in rows:
-            for c in r["curve"]:
+            for c in r["curve"] if not timing else ():
                 w.writerow([args.tag, r["method"], c["step"], f"{c['train_s']:.3f}",
                             f"{c['val_loss']:.6f}"])  # fmt: skip
     hardware = args.hardware[0] if args.hardware else None
-    meta = {"tag": args.tag, "argv": sys.argv[1:], "loadavg": load, "link": args.link or "local",
-            "shape": f"{nnodes}x{args.nproc}", "hardware": hardware, "seed": args.seed,
-            "rows": rows, "notes": notes}  # fmt: skip
+    meta = {"kind": "timing" if timing else "full", "tag": args.tag, "argv": sys.argv[1:],
+            "loadavg": load, "link": args.link or "local", "shape": f"{nnodes}x{args.nproc}",
+            "hardware": hardware, "seed": args.seed, "rows": rows, "notes": notes}  # fmt: skip
     (out / f"ttq_{args.tag}.json").write_text(json.dumps(meta, indent=2))
     groups: dict = {}
     _add(groups, meta)
     key, group = next(iter(groups.items()))
+    said = "a timing run (no evaluation)" if timing else (f"eval every {args.eval_every} steps "
+            f"(excluded), target = DDP's final held-out loss {rows[0]['final_loss']:.4f}")  # fmt: skip
     text = "\n".join([
         f"`{args.tag}`: {nnodes} node(s) x {args.nproc} ranks, gloo, {args.workload} workload, "
         f"global batch {args.global_batch}, DDP schedule {args.steps} steps (warm-up "
-        f"{args.warmup}), eval every {args.eval_every} steps (excluded), target = DDP's final "
-        f"held-out loss {rows[0]['final_loss']:.4f}; {_devices.describe(args)}{regime}",
-        "", table(key, group, "ddp"), "", *[f"* {n}" for n in notes]])  # fmt: skip
+        f"{args.warmup}), {said}; {_devices.describe(args)}{regime}", "",
+        *([f"* {r['method']}: {r['s_per_step']:.4f} s / step (steps {r['timed_from']} to "
+           f"{r['steps']})" for r in rows] if timing else [table(key, group, "ddp")]),
+        "", *[f"* {n}" for n in notes]])  # fmt: skip
     (out / f"ttq_{args.tag}.md").write_text(text + "\n")
     print(text, flush=True)
 
@@ -241,10 +284,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--versus", default=None, help="a method: each time over its time")
     p.add_argument("--plot", default=None, help="a folder: write the plots there")
     p.add_argument("--results", default=str(RESULTS))
+    p.add_argument("--compose", action="store_true", help="TAG pairs QUALITY TIMING: each "
+                   "method's steps to a loss x its seconds per step (step-locked methods)")  # fmt: skip
+    p.add_argument("--timing-window", type=int, default=0, help="--compose with a full run as "
+                   "the timing: its s / step up to this step, as a timing run's (0: to its end)")  # fmt: skip
     args = p.parse_args(argv)
-    groups = load(args.tags, Path(args.results))
     losses = [float(x) for x in args.losses.split(",") if x]
-    for key, group in groups.items():
+    if args.compose and len(args.tags) % 2:
+        raise SystemExit("--compose takes pairs of tags: QUALITY TIMING [QUALITY TIMING ...]")
+    groups = {} if args.compose else load(args.tags, Path(args.results))
+    for qt, tt in zip(args.tags[::2], args.tags[1::2]) if args.compose else ():
+        metas = [json.loads(_paths(x, Path(args.results))[0].read_text()) for x in (qt, tt)]
+        rows, lines = compose(*metas, args.timing_window)
+        link, shape, seed, hw = describe(metas[1])
+        group = groups[(f"{link}-composed", shape, seed)] = {hw: {"rows": rows, "load": [0.0]}}
+        print(f"composed: steps from {qt} x seconds per step from {tt}\n", *lines, sep="\n")
+        print(*["", at_losses(group, losses, None)] if losses else [], sep="\n")
+    for key, group in groups.items() if not args.compose else ():
         print(table(key, group, args.versus) + "\n")
         if losses:
             print(at_losses(group, losses, args.versus) + "\n")

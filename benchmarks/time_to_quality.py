@@ -20,7 +20,8 @@ link, one node (``torchrun --standalone``; ``--one-launch``: every method in one
 at 1/2 or 1/4 speed, or each step's time drawn with a 30% coefficient of variation), ``--seeds``
 the seeds. ``--tag`` names each run's results, with ``{link}``, ``{shape}``, ``{hardware}`` and
 ``{seed}`` filled in: ``benchmarks/results/ttq_<tag>.{csv,md,json}``. Tables across runs and
-plots: ``benchmarks/report.py``.
+plots: ``benchmarks/report.py``. ``--timing-steps K``: a timing run, each step-locked method K
+steps without evaluation, its seconds per step after its first period (``report.py --compose``).
 """
 
 from __future__ import annotations
@@ -68,9 +69,7 @@ def campaign(args, worker_args: argparse.ArgumentParser) -> None:
         raise SystemExit("--hardware needs --device-ms (the emulated step the speeds scale)")
     runs = [(link, seed, hw) for link in links or [(None, None, None)]
             for seed in args.seeds or [args.seed] for hw in args.hardware or [None]]  # fmt: skip
-    names = [
-        dict(link=link[1], shape=args.shape, hardware=hw, seed=seed) for link, seed, hw in runs
-    ]
+    names = [dict(link=link[1], shape=args.shape, hardware=hw, seed=seed) for link, seed, hw in runs]  # fmt: skip
     tags = [args.tag.format(**n) for n in names]
     if len(set(tags)) < len(tags):
         raise SystemExit(f"--tag {args.tag!r} names several runs alike: add {{seed}}/{{hardware}}")
@@ -100,9 +99,7 @@ def campaign(args, worker_args: argparse.ArgumentParser) -> None:
         if subprocess.run(emulate + cmd).returncode:
             failed.append(f"{tag}: {shlex.join(emulate + cmd)}")
     if failed:  # the other runs went on
-        raise SystemExit(
-            "failed (emulate-cluster's exit status; 124: --timeout):\n" + "\n".join(failed)
-        )
+        raise SystemExit("failed (emulate-cluster's exit status; 124: --timeout):\n" + "\n".join(failed))  # fmt: skip
 
 
 def launch(args, rest: list[str]) -> None:
@@ -147,7 +144,7 @@ def launch(args, rest: list[str]) -> None:
                      "--master_port", str(int(os.environ["MASTER_PORT"]) + 1 + i)]  # fmt: skip
         else:
             where = ["--standalone"]
-        target = [] if i == 0 else ["--target-from", str(ddp_part)]
+        target = [] if i == 0 or args.timing_steps else ["--target-from", str(ddp_part)]
         cmd = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node",
                str(args.nproc), __file__, "--worker", "--method", method, "--part", str(part),
                *target, *rest]  # fmt: skip
@@ -235,6 +232,8 @@ def main() -> None:
                        help="uneven methods' budget x --steps (0: --max-steps-factor); they are "
                        "evaluated after training, so they train to it")  # fmt: skip
         q.add_argument("--time-limit-factor", type=float, default=3.0)
+        q.add_argument("--timing-steps", type=int, default=0, help="a timing run: K steps each, "
+                       "no evaluation, s / step after the first period (report.py --compose)")  # fmt: skip
         q.add_argument("--seed", type=int, default=0)
         q.add_argument("--threads", type=int, default=1, help="torch threads per rank")
         q.add_argument("--local-world-size", type=int, default=0,
@@ -260,7 +259,14 @@ def main() -> None:
         dist.destroy_process_group()
         return
     for method in args.methods:
-        methods.parse(method)  # a bad spec fails here, before anything runs
+        # a bad spec fails here, before any run; a timing run: step-locked, two periods or more
+        m, k, twice = methods.parse(method), args.timing_steps, 2 * methods.period(method)
+        why = ("is not step-locked (arrivals decide the mixing): its time to quality needs a full "
+               "run" if m["uneven"] else f"needs at least {twice} (two periods; the first is not timed)")  # fmt: skip
+        if k and (m["uneven"] or k < twice):
+            raise SystemExit(f"--timing-steps {k}: {method} {why}")
+    if args.timing_steps and args.ddp_from:
+        raise SystemExit("--timing-steps times DDP too: leave out --ddp-from")
     linked = bool(args.rate or args.regime)
     args.shape = args.shape or ("2x2" if linked else f"1x{args.nproc}")
     try:

