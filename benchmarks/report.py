@@ -226,10 +226,10 @@ def compose(quality: dict, timing: dict, upto: int = 0) -> tuple[dict, list[str]
     rows, notes, lines = {}, [], ["| method | steps to DDP's loss | s / step | composed time | "
                                   "measured | error |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for method in dict.fromkeys([*q, *t]):
-        side = "timing" if method in q else "quality"
+        side, uneven = "timing" if method in q else "quality", methods.parse(method)["uneven"]
         why = ("refused, not step-locked (arrivals decide the mixing): its time to quality needs a full run"
-               if methods.parse(method)["uneven"] else f"missing from the {side} run (or DDP, the target, is)")  # fmt: skip
-        if methods.parse(method)["uneven"] or method not in q or method not in t or "ddp" not in q:
+               if uneven else f"missing from the {side} run (or DDP, the target, is)")  # fmt: skip
+        if uneven or method not in q or method not in t or "ddp" not in q:
             notes.append(f"* {method}: {why}")
             continue
         sps, row = _s_per_step(t[method], upto), q[method]
@@ -256,6 +256,9 @@ def write_run(args, nnodes: int, rows: list[dict], notes: list[str], regime: str
             for c in r["curve"] if not timing else ():
                 w.writerow([args.tag, r["method"], c["step"], f"{c['train_s']:.3f}",
                             f"{c['val_loss']:.6f}"])  # fmt: skip
+    if timing:  # seconds per step after the first period (its start-up)
+        for r in rows:
+            r.update(timed_from=r["curve"][0]["step"], s_per_step=_s_per_step(r, 0))
     hardware = args.hardware[0] if args.hardware else None
     meta = {"kind": "timing" if timing else "full", "tag": args.tag, "argv": sys.argv[1:],
             "loadavg": load, "link": args.link or "local", "shape": f"{nnodes}x{args.nproc}",
@@ -292,18 +295,21 @@ def main(argv: list[str] | None = None) -> None:
     losses = [float(x) for x in args.losses.split(",") if x]
     if args.compose and len(args.tags) % 2:
         raise SystemExit("--compose takes pairs of tags: QUALITY TIMING [QUALITY TIMING ...]")
-    groups = {} if args.compose else load(args.tags, Path(args.results))
-    for qt, tt in zip(args.tags[::2], args.tags[1::2]) if args.compose else ():
-        metas = [json.loads(_paths(x, Path(args.results))[0].read_text()) for x in (qt, tt)]
-        rows, lines = compose(*metas, args.timing_window)
-        link, shape, seed, hw = describe(metas[1])
-        group = groups[(f"{link}-composed", shape, seed)] = {hw: {"rows": rows, "load": [0.0]}}
-        print(f"composed: steps from {qt} x seconds per step from {tt}\n", *lines, sep="\n")
-        print(*["", at_losses(group, losses, None)] if losses else [], sep="\n")
-    for key, group in groups.items() if not args.compose else ():
-        print(table(key, group, args.versus) + "\n")
-        if losses:
-            print(at_losses(group, losses, args.versus) + "\n")
+    if args.compose:
+        groups: dict = {}
+        for qt, tt in zip(args.tags[::2], args.tags[1::2]):
+            metas = [json.loads(_paths(x, Path(args.results))[0].read_text()) for x in (qt, tt)]
+            rows, lines = compose(*metas, args.timing_window)
+            link, shape, seed, hw = describe(metas[1])
+            group = groups[(f"{link}-composed", shape, seed)] = {hw: {"rows": rows, "load": [0.0]}}
+            print(f"composed: steps from {qt} x seconds per step from {tt}\n", *lines, sep="\n")
+            print(*["", at_losses(group, losses, None)] if losses else [], sep="\n")
+    else:
+        groups = load(args.tags, Path(args.results))
+        for key, group in groups.items():
+            print(table(key, group, args.versus) + "\n")
+            if losses:
+                print(at_losses(group, losses, args.versus) + "\n")
     for path in plot(groups, Path(args.plot)) if args.plot else []:
         print("wrote", path)
 

@@ -82,8 +82,7 @@ def campaign(args, worker_args: argparse.ArgumentParser) -> None:
             slow = {"half": "0.5", "quarter": "0.25"}.get(hw)
             one.speeds = ",".join(["1"] * (nodes * nproc - 1) + [slow]) if slow else ""
             one.jitter_cv = 0.3 if hw == "jitter" else 0.0
-        rest = [x for a in worker_args._actions
-                for x in (a.option_strings[0], str(getattr(one, a.dest)))]  # fmt: skip
+        rest = _forwarded(worker_args, one)
         if link[0] is None:
             launch(one, rest)
             continue
@@ -152,8 +151,7 @@ def launch(args, rest: list[str]) -> None:
             print(f"[{i + 1}/{len(args.methods)}] {method} ...", flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
-            err = "\n".join(x for x in proc.stderr.splitlines() if "[INFO] [torchft" not in x)
-            print(f"  {method} failed (exit {proc.returncode}):\n{err[-3000:]}", flush=True)
+            print(f"  {method} failed (exit {proc.returncode}):\n{_errors(proc)}", flush=True)
             notes.append(f"{method}: failed (exit {proc.returncode})")
             if i == 0:
                 raise SystemExit("ddp failed: no target")
@@ -168,8 +166,7 @@ def launch(args, rest: list[str]) -> None:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         print(proc.stdout, end="", flush=True)
         if proc.returncode != 0:
-            err = "\n".join(x for x in proc.stderr.splitlines() if "[INFO] [torchft" not in x)
-            raise SystemExit(f"the one launch failed (exit {proc.returncode}):\n{err[-3000:]}")
+            raise SystemExit(f"the one launch failed (exit {proc.returncode}):\n{_errors(proc)}")
         rows = [json.loads((parts / f"{i}.json").read_text()) for i, _ in chain]
     if node_rank == 0 and rows:
         regime = ""
@@ -178,6 +175,16 @@ def launch(args, rest: list[str]) -> None:
             regime = f"; regime R = {args.regime[0]:g} (link {rate} per node)"
         report.write_run(args, nnodes, rows, notes, regime)
         shutil.rmtree(parts, ignore_errors=True)
+
+
+def _forwarded(worker_args: argparse.ArgumentParser, args) -> list[str]:
+    """The worker's options with the values of ``args``, as a command line passes them on."""
+    return [x for a in worker_args._actions for x in (a.option_strings[0], str(getattr(args, a.dest)))]  # fmt: skip
+
+
+def _errors(proc: subprocess.CompletedProcess) -> str:
+    """The end of a failed launch's stderr, without torchft's info lines."""
+    return "\n".join(x for x in proc.stderr.splitlines() if "[INFO] [torchft" not in x)[-3000:]
 
 
 def _parameters(args) -> int:
@@ -275,9 +282,7 @@ def main() -> None:
         raise SystemExit(f"--shape {args.shape!r}: nodes x ranks, e.g. 2x2") from None
     args.tag = args.tag or ("{link}" if linked else "local")
     if args.inner:  # one run, on an emulated node
-        rest = [x for a in worker_args._actions
-                for x in (a.option_strings[0], str(getattr(args, a.dest)))]  # fmt: skip
-        launch(args, rest)
+        launch(args, _forwarded(worker_args, args))
     else:
         campaign(args, worker_args)
 
