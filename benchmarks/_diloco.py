@@ -17,6 +17,13 @@ after which every worker starts the next period from :math:`\theta`. The inner o
 its state across periods, as DiLoCo does. Published setting: :math:`\eta = 0.7`,
 :math:`\mu = 0.9`, Nesterov. Everything is in one flat vector of the parameters, so an outer
 step is one all-reduce.
+
+``H`` may differ between ranks (the benchmark's ``diloco:...:hetero``, torchft's answer to uneven
+devices: ``H_i`` = round(H x rank i's speed), so a slower rank takes fewer inner steps and all
+reach the sync together): rank i syncs after its own ``H_i`` steps, so every rank still enters
+the k-th all-reduce as its k-th, and the outer step is the same plain mean of the
+:math:`\Delta_i` (not weighted by ``H_i``, as torchft's ``Manager.allreduce`` divides by the
+number of replicas).
 """
 
 from __future__ import annotations

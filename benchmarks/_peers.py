@@ -8,6 +8,10 @@ of layers, as its examples build them. Each rank is one torchft replica (a repli
 one): rank 0 runs the Lighthouse (quorum of all ranks), every rank its own TCPStore, Manager
 and ``ProcessGroupGloo``, so it runs on CPU. torchft's ``should_quantize`` (``:q8``) needs
 triton; without it (CPU) torchft silently all-reduces in fp32, which the harness notes.
+With ``:hetero`` each replica gets its own ``sync_every`` (``methods.local_steps``): torchft
+counts inner steps per replica and picks the fragment to sync by the Manager's step (one per
+committed sync, the same on every replica), so replicas with different ``sync_every`` still
+all-reduce the same fragment at the k-th sync, averaged by the number of replicas.
 Both wrap the inner AdamW and keep the harness's interface: ``param_groups``, ``zero_grad``,
 ``step``, ``averaged()`` (the workers' mean, over the harness's process group) and ``close()``.
 """

@@ -9,7 +9,10 @@ time counts to the last rank's arrival. With emulated devices each step is padde
 time after forward and backward, before any communication, so DDP all-reduces its gradients
 after the pad (one flat buffer) instead of inside backward; Decent-DP, which communicates inside
 backward, is padded at the start of the step. ``uneven`` methods keep snapshots at their rounds
-instead and evaluate them afterwards (``_replay``). Rank 0 writes the method's row (``--part``).
+instead and evaluate them afterwards (``_replay``). ``hetero`` methods (each rank its own H,
+``methods.local_steps``) count schedule, budget and evaluations in DDP-equivalent steps (the
+ranks' steps summed / n), stop at the first sync at or past the budget and evaluate only right
+after a sync, where every rank is. Rank 0 writes the method's row (``--part``).
 """
 
 from __future__ import annotations
@@ -58,9 +61,10 @@ def worker(args) -> None:
     decay = [p for p in params if p.dim() >= 2]
     groups = [{"params": decay, "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    hs = methods.local_steps(m, args.speeds, n)  # each rank's H (:hetero: from its speed)
     ctx = SimpleNamespace(args=args, model=model, params=params, groups=groups,
                           betas=(0.9, 0.95), decent_lr=args.lr * args.decent_lr_factor,
-                          lr_factor=lr_factor)  # fmt: skip
+                          lr_factor=lr_factor, H=hs[rank])  # fmt: skip
     built = methods.REGISTRY[m["kind"]].build(m, ctx)
     net, opt, peak = built.net, built.opt, built.peak
 
@@ -90,6 +94,12 @@ def worker(args) -> None:
     timing = args.timing_steps  # a timing run: no target, no evaluation, the clock at 2 points
     if timing:
         max_steps, target, time_limit, marks = timing, None, None, (methods.period(args.method),)
+    # :hetero: this rank syncs every `own` of its steps; schedule, budget and evaluations count
+    # DDP-equivalent steps (the ranks' steps summed / n), `per_sync` of them a sync, so every
+    # rank stops at the first sync at or past the budget, and evaluates only at syncs
+    hetero, own, per_sync = m["hetero"], hs[rank] // m["F"], sum(hs) / m["F"] / n
+    if hetero:
+        max_steps = -(-max_steps * m["F"] * n // sum(hs)) * own
     device = _devices.Device(args, rank, n)
     if device.on and built.steps_in_backward:  # Decent-DP: one step's real compute, on a copy
         import copy
@@ -122,7 +132,7 @@ def worker(args) -> None:
     resumed = time.perf_counter()
     step = 0
     while not (opt.stopped if uneven else step >= max_steps):
-        factor = lr_factor(int(opt.progress) if uneven else step)
+        factor = lr_factor(int(opt.progress) if uneven else step * per_sync / own if hetero else step)  # fmt: skip
         x, y = batch(step)
         if built.steps_in_backward:  # Decent-DP communicates inside backward: pad before it
             device.pad(step)
@@ -147,8 +157,13 @@ def worker(args) -> None:
                 elapsed_s = time.perf_counter() - resumed
                 snapshots.append((elapsed_s, opt.progress, [p.detach().clone() for p in params]))
             continue
-        done = step
-        if (done not in marks if timing else done % args.eval_every) and done != max_steps:
+        done: float = step
+        if hetero:  # evaluate at the first sync past each --eval-every, never between syncs
+            done = step // own * per_sync
+            skip = step % own or done // args.eval_every == (done - per_sync) // args.eval_every
+        else:
+            skip = done not in marks if timing else done % args.eval_every
+        if skip and step != max_steps:
             continue
         # the wall-clock when the last rank got here; evaluation is not counted
         elapsed = torch.tensor([time.perf_counter() - resumed], dtype=torch.float64)

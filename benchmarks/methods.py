@@ -5,10 +5,11 @@ A method is a spec string ``<family>[:<first>][:<part>]...``: the family names a
 other part is a flag (``outer``) or a letter prefix and a number (``H4``, ``x1.5``, ``olr0.7``)
 that the entry must list. ``parse`` gives the method as a dict (every key, its default where the
 spec leaves it out), ``Entry.build`` its model wrapper and optimizer for the worker loop
-(``_worker.py``), ``Entry.wire`` its bytes sent per step. Peak rates: ``--lr`` for DDP, DiLoCo,
-the streaming peers and ``decent`` with an outer step; ``--lr`` x ``--decent-lr-factor`` for
-gossip, Decent-DP and ``diloco:...:avg``; ``:x<f>`` sets it to ``--lr`` x f. Adding a peer is
-adding one entry (and its part names to ``PARTS`` if new).
+(``_worker.py``), ``Entry.wire`` its bytes sent per step, ``local_steps`` each rank's H
+(``:hetero``: from its speed). Peak rates: ``--lr`` for DDP, DiLoCo, the streaming peers and
+``decent`` with an outer step; ``--lr`` x ``--decent-lr-factor`` for gossip, Decent-DP and
+``diloco:...:avg``; ``:x<f>`` sets it to ``--lr`` x f. Adding a peer is adding one entry (and
+its part names to ``PARTS`` if new).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 DEFAULTS: dict[str, Any] = {
     "topology": None, "compression": None, "H": 1, "outer": False, "avg": False,
     "uneven": False, "fixed": False, "cap": None, "slow": None, "x": None, "olr": None,
-    "om": None, "F": 1, "tau": 0, "alpha": 0.0, "bits": None, "gamma": None,
+    "om": None, "F": 1, "tau": 0, "alpha": 0.0, "bits": None, "gamma": None, "hetero": False,
 }  # fmt: skip
 # a part's letters -> (key, value type); a flag (no number) has type bool
 PARTS: dict[str, tuple[str, type]] = {
@@ -33,6 +34,7 @@ PARTS: dict[str, tuple[str, type]] = {
     "g": ("gamma", float), "cap": ("cap", float), "slow": ("slow", int), "F": ("F", int),
     "tau": ("tau", int), "alpha": ("alpha", float), "q": ("bits", int), "outer": ("outer", bool),
     "avg": ("avg", bool), "uneven": ("uneven", bool), "fixed": ("fixed", bool),
+    "hetero": ("hetero", bool),
 }  # fmt: skip
 PART = re.compile(r"([A-Za-z]+?)(\d[\d.e+-]*)?")
 
@@ -178,7 +180,7 @@ def _diloco(m: dict, ctx) -> Built:
     peak = _peak(m, ctx, ctx.decent_lr if m["avg"] else ctx.args.lr)
     outer = {**(dict(lr=1.0, momentum=0.0, nesterov=False) if m["avg"] else {}), **_rates(m)}
     inner = torch.optim.AdamW(ctx.groups, lr=peak, betas=ctx.betas)
-    opt = DiLoCo(ctx.params, inner, m["H"], **outer)
+    opt = DiLoCo(ctx.params, inner, ctx.H, **outer)
     return Built(ctx.model, opt, peak, opt.averaged)
 
 
@@ -196,7 +198,7 @@ def _streaming(m: dict, ctx) -> Built:
                                    fragments=m["F"], delay=m["tau"], alpha=m["alpha"],
                                    bits=m["bits"], **_rates(m))  # fmt: skip
     else:
-        opt = _peers.TorchftDiLoCo(ctx.model, layers, inner, m, _rates(m))
+        opt = _peers.TorchftDiLoCo(ctx.model, layers, inner, {**m, "H": ctx.H}, _rates(m))
     return Built(ctx.model, opt, peak, opt.averaged)
 
 
@@ -246,12 +248,40 @@ REGISTRY: dict[str, Entry] = {
     "ddp": Entry(_ddp),
     "decent": Entry(_decent, ("H", "outer", "uneven", "fixed", "cap", "slow", "g", *TUNE), True),
     "decentdp": Entry(_decentdp, (), True, _decentdp_missing),
-    "diloco": Entry(_diloco, ("H", "avg", *TUNE)),
+    "diloco": Entry(_diloco, ("H", "avg", "hetero", *TUNE)),
     "sdiloco": Entry(_streaming, STREAM),
-    "torchft-diloco": Entry(_streaming, STREAM, missing=_torchft_missing),
-    "torchft-sdiloco": Entry(_streaming, STREAM, missing=_torchft_missing),
+    "torchft-diloco": Entry(_streaming, (*STREAM, "hetero"), missing=_torchft_missing),
+    "torchft-sdiloco": Entry(_streaming, (*STREAM, "hetero"), missing=_torchft_missing),
     "none": Entry(_none, ("x",)),
 }
+
+
+def local_steps(m: dict, speeds: str | None, n: int) -> list[int]:
+    """Each rank's inner steps between syncs: ``H``, or with ``:hetero`` round(H x the rank's
+    ``--speeds`` factor) (Python's round; torchft's answer to uneven devices, a ``sync_every``
+    per replica: a half-speed rank syncs after half the steps, so all reach a sync together)."""
+    import _devices
+
+    if not m["hetero"]:
+        return [m["H"]] * n
+    speed = _devices.speeds_of(speeds, n)
+    hs = [round(m["H"] * s) for s in speed]
+    f, tau = m["F"], m["tau"]
+    for r, h in enumerate(hs):
+        if h < 1 or h % f or h // f <= tau:
+            raise SystemExit(f"{m['kind']} :hetero: rank {r}'s H round({m['H']} x {speed[r]:g}) "
+                             f"= {h}; every rank's must be >= 1, a multiple of F ({f}) and more "
+                             f"than F x tau ({f * tau}): pick H (or --speeds) to fit")  # fmt: skip
+    return hs
+
+
+def not_step_locked(spec: str) -> str | None:
+    """Why ``spec`` is not step-locked, so that its time to quality needs a full run
+    (``report.py --compose`` and ``--timing-steps`` refuse it), or None."""
+    m = parse(spec)
+    if m["uneven"]:
+        return "arrivals decide the mixing"
+    return "each rank's H follows its speed" if m["hetero"] else None
 
 
 def period(spec: str) -> int:

@@ -24,7 +24,7 @@ periods differ only when the speeds do). ``--plot DIR``: one PNG per link and sh
 The runner writes each run's own table with ``write_run``. ``--compose Q T [Q T ...]``, for
 step-locked methods: the time to a loss = quality run Q's steps to it (as above) x timing run T's
 seconds per step (``--timing-steps``; a full run as T checks it); the two must train alike
-(``ALIKE``); ``:uneven`` methods are refused.
+(``ALIKE``); ``:uneven`` and ``:hetero`` methods are refused.
 """
 
 from __future__ import annotations
@@ -226,10 +226,10 @@ def compose(quality: dict, timing: dict, upto: int = 0) -> tuple[dict, list[str]
     rows, notes, lines = {}, [], ["| method | steps to DDP's loss | s / step | composed time | "
                                   "measured | error |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for method in dict.fromkeys([*q, *t]):
-        side, uneven = "timing" if method in q else "quality", methods.parse(method)["uneven"]
-        why = ("refused, not step-locked (arrivals decide the mixing): its time to quality needs a full run"
-               if uneven else f"missing from the {side} run (or DDP, the target, is)")  # fmt: skip
-        if uneven or method not in q or method not in t or "ddp" not in q:
+        side, unlocked = "timing" if method in q else "quality", methods.not_step_locked(method)
+        why = (f"refused, not step-locked ({unlocked}): its time to quality needs a full run"
+               if unlocked else f"missing from the {side} run (or DDP, the target, is)")  # fmt: skip
+        if unlocked or method not in q or method not in t or "ddp" not in q:
             notes.append(f"* {method}: {why}")
             continue
         sps, row = _s_per_step(t[method], upto), q[method]

@@ -105,6 +105,8 @@ def launch(args, rest: list[str]) -> None:
     """One run on this node: a torchrun per method (or one for all), then the results."""
     nnodes = int(os.environ.get("NNODES", 1))
     node_rank = int(os.environ.get("NODE_RANK", 0))
+    for method in args.methods:  # a :hetero H the speeds cannot give: before any rank starts
+        methods.local_steps(methods.parse(method), args.speeds, nnodes * args.nproc)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = out / f".ttq_parts_{args.tag}"
@@ -267,10 +269,10 @@ def main() -> None:
         return
     for method in args.methods:
         # a bad spec fails here, before any run; a timing run: step-locked, two periods or more
-        m, k, twice = methods.parse(method), args.timing_steps, 2 * methods.period(method)
-        why = ("is not step-locked (arrivals decide the mixing): its time to quality needs a full "
-               "run" if m["uneven"] else f"needs at least {twice} (two periods; the first is not timed)")  # fmt: skip
-        if k and (m["uneven"] or k < twice):
+        k, twice, unlocked = args.timing_steps, 2 * methods.period(method), methods.not_step_locked(method)  # fmt: skip
+        why = (f"is not step-locked ({unlocked}): its time to quality needs a full run"
+               if unlocked else f"needs at least {twice} (two periods; the first is not timed)")  # fmt: skip
+        if k and (unlocked or k < twice):
             raise SystemExit(f"--timing-steps {k}: {method} {why}")
     if args.timing_steps and args.ddp_from:
         raise SystemExit("--timing-steps times DDP too: leave out --ddp-from")

@@ -40,7 +40,8 @@ def test_a_spec_parses_to_its_parts() -> None:
         ("decent:ring:H", "'H' needs a number (H2)"),
         ("decent:ring:outer2", "'outer2' takes no number"),
         ("decent:ring:Hx", "unknown part 'Hx'"),
-        ("diloco:H4:uneven", "unknown part 'uneven' (parts of diloco: H, avg, x, olr, om)"),
+        ("diloco:H4:uneven", "unknown part 'uneven' (parts of diloco: H, avg, hetero, x, olr, om)"),
+        ("sdiloco:H4:hetero", "unknown part 'hetero'"),  # ours streaming: one H for all
         ("ddp:H2", "unknown part 'H2' (parts of ddp: none)"),
         ("sdiloco:H4:q2", "the exchange is q4 or q8"),
         ("decent:ring:H2:fixed", "fixed/cap<c> need :uneven"),
@@ -52,6 +53,33 @@ def test_a_spec_parses_to_its_parts() -> None:
 def test_a_bad_spec_says_what_is_wrong(spec: str, says: str) -> None:
     with pytest.raises(SystemExit) as caught:
         methods.parse(spec)
+    assert says in str(caught.value)
+
+
+def test_hetero_gives_each_rank_h_times_its_speed() -> None:
+    def hs(spec: str, speeds: str, n: int = 4) -> list[int]:
+        return methods.local_steps(methods.parse(spec), speeds, n)
+
+    assert hs("diloco:H16:hetero", "1,1,1,0.5") == [16, 16, 16, 8]
+    assert hs("torchft-diloco:H32:hetero", "1,0.25,1,0.75") == [32, 8, 32, 24]
+    assert hs("torchft-sdiloco:H32:F4:tau1:hetero", "1,1,0.5,0.25") == [32, 32, 16, 8]
+    assert hs("diloco:H6:hetero", "1,0.3", 2) == [6, 2]  # round(1.8)
+    assert hs("diloco:H16:hetero", "") == [16] * 4  # no --speeds: all at speed 1, H each
+    assert hs("diloco:H16", "1,1,1,0.5") == [16] * 4  # without :hetero the speeds are not read
+
+
+@pytest.mark.parametrize(
+    ("spec", "speeds", "says"),
+    [
+        ("diloco:H4:hetero", "1,0.1", "rank 1's H round(4 x 0.1) = 0; every rank's must be >= 1"),
+        ("torchft-sdiloco:H8:F4:hetero", "1,0.75", "round(8 x 0.75) = 6; every rank's must be >= 1, a multiple of F (4)"),
+        ("torchft-sdiloco:H8:F2:tau2:hetero", "1,0.5", "= 4; every rank's must be >= 1, a multiple of F (2) and more than F x tau (4)"),
+        ("diloco:H4:hetero", "1,0.5,1", "--speeds needs 2 positive factors"),
+    ],
+)  # fmt: skip
+def test_a_hetero_h_the_speeds_cannot_give_says_what_to_do(spec, speeds, says) -> None:
+    with pytest.raises(SystemExit) as caught:
+        methods.local_steps(methods.parse(spec), speeds, 2)
     assert says in str(caught.value)
 
 
@@ -113,6 +141,7 @@ def test_a_failed_run_fails_the_runner_after_the_others_ran(monkeypatch) -> None
         (["--shape", "2by2", "--rate", "1gbit"], "nodes x ranks, e.g. 2x2"),
         (["--one-launch", "--rate", "1gbit"], "--one-launch runs on this machine only"),
         (["--print-rate"], "--print-rate needs one --regime R"),
+        (["--speeds", "1,0.2", "--methods", "ddp", "diloco:H2:hetero"], "pick H (or --speeds)"),
     ],
 )
 def test_the_runner_refuses_a_bad_plan_before_it_runs(monkeypatch, argv, says) -> None:
@@ -245,6 +274,7 @@ def composed(tmp_path: Path) -> Path:
         _row("diloco:H4", [(25, 9.0, 0.8), (50, 9.0, 0.6), (75, 9.0, 0.5), (100, 9.0, 0.45)], 0.5),
         _row("decent:ring:H2", [(50, 9.0, 0.55), (100, 9.0, 0.52)], 0.5),  # not reached
         _row("decent:ring:H2:uneven", [(50, 9.0, 0.4)], 0.5),
+        _row("diloco:H4:hetero", [(50, 9.0, 0.4)], 0.5),
         _row("decent:ring:H8", [(50, 9.0, 0.4)], 0.5),
     ])  # fmt: skip
     t = {"kind": "timing", "link": "R3", "shape": "2x2", "seed": 0, "hardware": "even"}
@@ -273,6 +303,7 @@ def test_the_composed_time_is_the_steps_to_the_loss_times_the_seconds_per_step(
     assert losses[("decent:ring:H2", "even")] == ["2.5 s", "-", "0.5200"]
     # listed, not dropped: uneven refused, the others missing from one side
     assert "decent:ring:H2:uneven: refused, not step-locked (arrivals decide the mixing)" in out
+    assert "diloco:H4:hetero: refused, not step-locked (each rank's H follows its speed)" in out
     assert "decent:ring:H8: missing from the timing run" in out
     assert "none: missing from the quality run" in out
 
@@ -376,6 +407,8 @@ def test_a_timing_run_runs_k_steps_of_each_method_without_a_target(monkeypatch, 
         (["--timing-steps", "64", "--methods", "ddp", "decent:ring:H2:uneven"],
          "decent:ring:H2:uneven is not step-locked (arrivals decide the mixing): its time to "
          "quality needs a full run"),
+        (["--timing-steps", "64", "--methods", "ddp", "torchft-diloco:H4:hetero"],
+         "torchft-diloco:H4:hetero is not step-locked (each rank's H follows its speed)"),
         (["--timing-steps", "64", "--ddp-from", "d.json"], "times DDP too: leave out --ddp-from"),
     ],
 )  # fmt: skip

