@@ -215,6 +215,20 @@ def _s_per_step(row: dict, upto: int) -> float:
     return (c1["train_s"] - c0["train_s"]) / (c1["step"] - c0["step"])
 
 
+def _pooled(tags: str, results: Path) -> dict:
+    """One side of a --compose pair: a run, or runs joined by "+" whose rows are pooled (a
+    method in several: the first run's); they must train alike, as the two sides must."""
+    names = tags.split("+")
+    metas = [json.loads(_paths(x, results)[0].read_text()) for x in names]
+    for name, other in zip(names[1:], metas[1:]):
+        if (a := _alike(metas[0])) != (b := _alike(other)):
+            differ = [f for f in a if a[f] != b.get(f)]
+            raise SystemExit(f"--compose {tags}: {name} trains otherwise ({differ})")
+    rows = {r["method"]: r for m in reversed(metas) for r in m["rows"]}
+    ddp_first = sorted(rows.values(), key=lambda r: r["method"] != "ddp")
+    return {**metas[0], "tag": tags, "rows": ddp_first}
+
+
 def compose(quality: dict, timing: dict, upto: int = 0) -> tuple[dict, list[str]]:
     """Q's rows at T's seconds per step, and the table's lines (measured: T's time, if a full run)."""
     alike, other = _alike(quality), _alike(timing)
@@ -288,7 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot", default=None, help="a folder: write the plots there")
     p.add_argument("--results", default=str(RESULTS))
     p.add_argument("--compose", action="store_true", help="TAG pairs QUALITY TIMING: each "
-                   "method's steps to a loss x its seconds per step (step-locked methods)")  # fmt: skip
+                   "method's steps to a loss x its seconds per step (step-locked methods); "
+                   "a side may pool runs: TAG+TAG")  # fmt: skip
     p.add_argument("--timing-window", type=int, default=0, help="--compose with a full run as "
                    "the timing: its s / step up to this step, as a timing run's (0: to its end)")  # fmt: skip
     args = p.parse_args(argv)
@@ -298,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.compose:
         groups: dict = {}
         for qt, tt in zip(args.tags[::2], args.tags[1::2]):
-            metas = [json.loads(_paths(x, Path(args.results))[0].read_text()) for x in (qt, tt)]
+            metas = [_pooled(x, Path(args.results)) for x in (qt, tt)]
             rows, lines = compose(*metas, args.timing_window)
             link, shape, seed, hw = describe(metas[1])
             group = groups[(f"{link}-composed", shape, seed)] = {hw: {"rows": rows, "load": [0.0]}}

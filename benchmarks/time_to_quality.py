@@ -117,7 +117,7 @@ def launch(args, rest: list[str]) -> None:
         _text.plays_dir()  # says what to install, before any rank starts
     if args.one_launch and nnodes > 1:
         raise SystemExit("--one-launch runs on one node only (it uses torchrun --standalone)")
-    if args.methods[0] != "ddp":
+    if args.methods[0] != "ddp" and not args.timing_steps:
         raise SystemExit("the first method must be ddp: its final loss is the target")
     notes, rows, chain = [], [], []
     ddp_part = parts / "0.json"

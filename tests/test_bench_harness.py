@@ -357,6 +357,28 @@ def test_compose_refuses_runs_that_train_differently(composed: Path, argv, says)
     assert says in str(caught.value) and "must train the same workload" in str(caught.value)
 
 
+def test_a_side_of_compose_may_pool_runs_that_train_alike(composed: Path, capsys) -> None:
+    # DDP timed in a run of its own (its step is long), diloco in another: one table
+    meta = json.loads((composed / "ttq_t.json").read_text())
+    rows = {r["method"]: r for r in meta["rows"]}
+    (composed / "ttq_td.json").write_text(json.dumps({**meta, "rows": [rows["ddp"]]}))
+    slower = {**rows["diloco:H4"], "s_per_step": 0.2, "curve": _timing("x", 0.2)["curve"]}
+    (composed / "ttq_tp.json").write_text(json.dumps({**meta, "rows": [rows["diloco:H4"]]}))
+    (composed / "ttq_tp2.json").write_text(json.dumps({**meta, "rows": [slower]}))
+    report.main(["--compose", "q", "tp+td+tp2", "--results", str(composed)])
+    out = capsys.readouterr().out
+    assert "seconds per step from tp+td+tp2" in out
+    got = _composed(out)
+    assert got["ddp"][:3] == ["100", "0.4000", "40.0 s"]
+    assert got["diloco:H4"][:3] == ["75", "0.1000", "7.5 s"]  # the first run's row, not tp2's
+    assert "decent:ring:H2: missing from the timing run" in out
+    meta["argv"] = [*ALIKE[:-1], "1"]  # seed 1: not alike
+    meta.pop("seed")
+    (composed / "ttq_ts1.json").write_text(json.dumps({**meta, "rows": [rows["ddp"]]}))
+    with pytest.raises(SystemExit, match=r"tp\+ts1: ts1 trains otherwise \(\['--seed'\]\)"):
+        report.main(["--compose", "q", "tp+ts1", "--results", str(composed)])
+
+
 def test_compose_refuses_other_ranks_and_odd_tags(composed: Path) -> None:
     meta = json.loads((composed / "ttq_t.json").read_text())
     for r in meta["rows"]:
@@ -395,6 +417,14 @@ def test_a_timing_run_runs_k_steps_of_each_method_without_a_target(monkeypatch, 
     assert meta["kind"] == "timing" and meta["link"] == "R3"
     md = (tmp_path / "ttq_R3.md").read_text()
     assert "a timing run (no evaluation)" in md and "* ddp: 0.2500 s / step (steps 4 to 64)" in md
+
+
+def test_a_timing_run_may_leave_ddp_out_and_a_full_run_may_not(monkeypatch) -> None:
+    ran = _plan(monkeypatch, "--shape", "2x2", "--regime", "30", "--device-ms", "80", "--emulate",
+                "/x/emulate", "--timing-steps", "64", "--methods", "diloco:H16")  # fmt: skip
+    assert len(ran) == 1 and "diloco:H16" in ran[0]
+    with pytest.raises(SystemExit, match="the first method must be ddp"):
+        _plan(monkeypatch, "--one-launch", "--nproc", "2", "--methods", "diloco:H16")
 
 
 @pytest.mark.parametrize(
