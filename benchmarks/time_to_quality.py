@@ -162,14 +162,16 @@ def launch(args, rest: list[str]) -> None:
             print(proc.stdout, end="", flush=True)
             rows.append(json.loads(part.read_text()))
     if chain:  # one torchrun, the methods one after the other in the same processes
+        # DDP's part (written first in the chain, or taken from --ddp-from) is every other's target
+        target = [] if args.timing_steps else ["--target-from", str(ddp_part)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                str(args.nproc), __file__, "--worker", "--method", ",".join(m for _, m in chain),
-               "--part", ",".join(str(parts / f"{i}.json") for i, _ in chain), *rest]  # fmt: skip
+               "--part", ",".join(str(parts / f"{i}.json") for i, _ in chain), *target, *rest]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         print(proc.stdout, end="", flush=True)
         if proc.returncode != 0:
             raise SystemExit(f"the one launch failed (exit {proc.returncode}):\n{_errors(proc)}")
-        rows = [json.loads((parts / f"{i}.json").read_text()) for i, _ in chain]
+        rows += [json.loads((parts / f"{i}.json").read_text()) for i, _ in chain]
     if node_rank == 0 and rows:
         regime = ""
         if args.regime:
@@ -261,8 +263,8 @@ def main() -> None:
         import torch.distributed as dist
 
         methods_, part_files = args.method.split(","), args.part.split(",")
-        for i, (method, part) in enumerate(zip(methods_, part_files)):
-            target = args.target_from if len(methods_) == 1 else (part_files[0] if i else None)
+        for method, part in zip(methods_, part_files):
+            target = None if methods.parse(method)["kind"] == "ddp" else args.target_from
             _worker.worker(argparse.Namespace(**{**vars(args), "method": method, "part": part,
                                                  "target_from": target}))  # fmt: skip
         dist.destroy_process_group()

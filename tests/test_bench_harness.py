@@ -419,6 +419,42 @@ def test_a_timing_run_runs_k_steps_of_each_method_without_a_target(monkeypatch, 
     assert "a timing run (no evaluation)" in md and "* ddp: 0.2500 s / step (steps 4 to 64)" in md
 
 
+def test_one_launch_with_ddp_from_targets_ddps_loss_and_keeps_its_row(
+    monkeypatch, tmp_path
+) -> None:
+    ddp = _row("ddp", [(8, 2.0, 0.5)], None)
+    (tmp_path / "d.json").write_text(json.dumps({"rows": [ddp]}))
+    launched: list[list[str]] = []
+
+    def torchrun(cmd, *args, **kwargs):  # the one launch: each method's part, as rank 0 writes it
+        launched.append(cmd)
+        for method, part in zip(
+            _after(cmd, "--method").split(","), _after(cmd, "--part").split(",")
+        ):
+            Path(part).write_text(json.dumps(_row(method, [(8, 1.0, 0.6)], 0.5)))
+        return type("Done", (), {"returncode": 0, "stdout": ""})()
+
+    monkeypatch.setattr(time_to_quality.subprocess, "run", torchrun)
+    monkeypatch.setattr(sys, "argv", ["time_to_quality.py", "--one-launch", "--nproc", "2", "--out",
+                                      str(tmp_path), "--tag", "q", "--ddp-from", str(tmp_path / "d.json"),
+                                      "--methods", "ddp", "diloco:H4", "diloco:H8"])  # fmt: skip
+    time_to_quality.main()
+    (cmd,) = launched
+    assert _after(cmd, "--method") == "diloco:H4,diloco:H8"
+    assert _after(cmd, "--target-from").endswith("/.ttq_parts_q/0.json")  # DDP's part, for both
+    meta = json.loads((tmp_path / "ttq_q.json").read_text())
+    assert [r["method"] for r in meta["rows"]] == ["ddp", "diloco:H4", "diloco:H8"]
+    # in the launched processes: DDP has no target, every other method DDP's part
+    seen: list[tuple[str, str | None]] = []
+    monkeypatch.setitem(sys.modules, "_worker", type(sys)("_worker"))
+    sys.modules["_worker"].worker = lambda a: seen.append((a.method, a.target_from))  # type: ignore[attr-defined]
+    monkeypatch.setattr("torch.distributed.destroy_process_group", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["time_to_quality.py", "--worker", "--method", "ddp,diloco:H4,diloco:H8",
+                                      "--part", "a,b,c", "--target-from", "a"])  # fmt: skip
+    time_to_quality.main()
+    assert seen == [("ddp", None), ("diloco:H4", "a"), ("diloco:H8", "a")]
+
+
 def test_a_timing_run_may_leave_ddp_out_and_a_full_run_may_not(monkeypatch) -> None:
     ran = _plan(monkeypatch, "--shape", "2x2", "--regime", "30", "--device-ms", "80", "--emulate",
                 "/x/emulate", "--timing-steps", "64", "--methods", "diloco:H16")  # fmt: skip
