@@ -121,6 +121,9 @@ def launch(args, rest: list[str]) -> None:
         raise SystemExit("the first method must be ddp: its final loss is the target")
     notes, rows, chain = [], [], []
     ddp_part = parts / "0.json"
+    # DDP's part (written by its run, or taken from --ddp-from) is every other method's target;
+    # the worker gives DDP itself none
+    target = [] if args.timing_steps else ["--target-from", str(ddp_part)]
     for i, method in enumerate(args.methods):
         why = methods.REGISTRY[methods.parse(method)["kind"]].missing(method)
         if why:
@@ -145,7 +148,6 @@ def launch(args, rest: list[str]) -> None:
                      "--master_port", str(int(os.environ["MASTER_PORT"]) + 1 + i)]  # fmt: skip
         else:
             where = ["--standalone"]
-        target = [] if i == 0 or args.timing_steps else ["--target-from", str(ddp_part)]
         cmd = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node",
                str(args.nproc), __file__, "--worker", "--method", method, "--part", str(part),
                *target, *rest]  # fmt: skip
@@ -162,8 +164,6 @@ def launch(args, rest: list[str]) -> None:
             print(proc.stdout, end="", flush=True)
             rows.append(json.loads(part.read_text()))
     if chain:  # one torchrun, the methods one after the other in the same processes
-        # DDP's part (written first in the chain, or taken from --ddp-from) is every other's target
-        target = [] if args.timing_steps else ["--target-from", str(ddp_part)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                str(args.nproc), __file__, "--worker", "--method", ",".join(m for _, m in chain),
                "--part", ",".join(str(parts / f"{i}.json") for i, _ in chain), *target, *rest]  # fmt: skip
