@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import run_world, run_world_fresh
+from _harness import run_world, run_world_fresh, wait_for_the_other_ranks
 from test_optim_multiprocess import OPTIMIZERS, _loss, _model, _param_groups, _reference
 from torch import nn
 
@@ -514,7 +514,7 @@ def _stop_early(rank, world_size):
         return str(err), time.monotonic() - start
     finally:
         if rank == 2:
-            time.sleep(8)  # alive but silent, until its neighbours gave up
+            wait_for_the_other_ranks()  # alive but silent, until its neighbours gave up
     return "no error", time.monotonic() - start
 
 
