@@ -18,10 +18,11 @@ and returns the results as a list indexed by rank. Each worker joined a gloo wor
 (``file://`` rendezvous in a temporary directory, so no port races; a 30 s timeout, so a send without its
 receive raises rather than hangs). Pools are created lazily, one per world size, and live until the end of
 the session. ``run_world_fresh`` has the same contract in brand-new processes, torn down afterwards.
-Workers are forked by a ``multiprocessing`` fork server that imported torch once (importing torch and
-``torch._dynamo``, which decent_optim imports, takes seconds of CPU per process: eight ranks on two cores
-waited for it at every new pool); nothing else ran in the server, so a worker starts as a spawned one
-would, with those modules imported and unused. It gets this
+Workers are forked by a ``multiprocessing`` fork server that imported torch once (importing torch takes
+seconds of CPU per process: eight ranks on two cores waited for it at every new pool); nothing else ran in
+the server, so a worker starts as a spawned one would, with torch imported and unused. Not
+``torch._dynamo`` (which decent_optim imports, another second or so): forked with it imported, a worker's
+gloo connections behave differently (a peer's closed connection refuses a later receive at posting). It gets this
 process's environment and standard output/error at the pool's start, as a spawned one inherits them.
 ``start_alone(fn, *args)`` runs ``fn(*args)`` in one new process outside any process group (a worker
 that joins a running world), alongside; ``.result(timeout)`` returns its result.
@@ -89,7 +90,7 @@ STARTUP_TIMEOUT_S = 180.0
 #: blocked in a collective with the failed rank and would otherwise sit out the process-group timeout.
 ERROR_GRACE_S = 2.0
 #: Imported once by the fork server that starts every worker: torch only, no state of a test.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+PRELOAD = ["torch", "torch.distributed"]
 #: Tail of each rank's captured stdout/stderr kept in error messages.
 OUTPUT_TAIL_CHARS = 4000
 #: How long to wait for a silent rank to write its Python stacks (on SIGUSR1) before it is killed.

@@ -50,11 +50,7 @@ def _exchange(live, value, wait_s=PATIENT):
         send = dist.isend(torch.tensor([float(value)]), right)
     except RuntimeError:
         return None, [right]
-    try:
-        recv = dist.irecv(got, left)
-    except RuntimeError:  # gloo raises at posting once it saw the connection close
-        return None, [left]
-    for work, peer in ((recv, left), (send, right)):
+    for work, peer in ((dist.irecv(got, left), left), (send, right)):
         try:
             live.wait([work], timeout=wait_s)
         except MembershipChanged:
