@@ -89,6 +89,9 @@ STARTUP_TIMEOUT_S = 180.0
 #: Once one rank has failed, how long to wait for the others before killing them: they are usually
 #: blocked in a collective with the failed rank and would otherwise sit out the process-group timeout.
 ERROR_GRACE_S = 2.0
+#: How workers start: "forkserver" (forked from a server that imported ``PRELOAD``) or "spawn" (a new
+#: interpreter each, importing torch itself: seconds more per rank, for a comparison).
+START_METHOD = "forkserver"
 #: Imported once by the fork server that starts every worker: torch only, no state of a test.
 PRELOAD = ["torch", "torch.distributed"]
 #: Tail of each rank's captured stdout/stderr kept in error messages.
@@ -381,9 +384,10 @@ def _detach(dup: Any) -> int:
 
 
 def _context() -> multiprocessing.context.BaseContext:
-    """The fork server's context; it imports ``PRELOAD`` once, when the first pool starts."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    """The context of ``START_METHOD``; a fork server imports ``PRELOAD`` once, at the first pool."""
+    ctx = multiprocessing.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
