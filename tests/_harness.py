@@ -13,14 +13,22 @@ Test files import it by its top-level name (``tests/conftest.py`` puts ``tests/`
     def test_sum():
         assert all(t.item() == 3.0 for t in run_world(_sum_ranks, 3))
 
-``run_world(fn, n, *args)`` calls ``fn(rank, n, *args)`` on every rank of a pool of ``n`` spawned workers
+``run_world(fn, n, *args)`` calls ``fn(rank, n, *args)`` on every rank of a pool of ``n`` worker processes
 and returns the results as a list indexed by rank. Each worker joined a gloo world group once, at start-up
 (``file://`` rendezvous in a temporary directory, so no port races; a 30 s timeout, so a send without its
 receive raises rather than hangs). Pools are created lazily, one per world size, and live until the end of
-the session: spawning eight interpreters and importing torch takes seconds on two cores, a task takes
-milliseconds. ``run_world_fresh`` has the same contract in brand-new processes, torn down afterwards.
+the session. ``run_world_fresh`` has the same contract in brand-new processes, torn down afterwards.
+Workers are forked by a ``multiprocessing`` fork server that imported torch once (importing torch takes
+seconds of CPU per process: eight ranks on two cores waited for it at every new pool); nothing else ran in
+the server, so a worker starts as a spawned one would, with torch imported and unused. Not
+``torch._dynamo`` (which decent_optim imports, another second or so): forked with it imported, a worker's
+gloo connections behave differently (a peer's closed connection refuses a later receive at posting). It gets this
+process's environment and standard output/error at the pool's start, as a spawned one inherits them.
 ``start_alone(fn, *args)`` runs ``fn(*args)`` in one new process outside any process group (a worker
 that joins a running world), alongside; ``.result(timeout)`` returns its result.
+``wait_for_the_other_ranks()``, called in a task, blocks until the task has returned on the other ranks: a
+rank that must stay alive but silent until its peers gave up on it waits exactly that long, where a fixed
+sleep would have to be long enough for a loaded machine in every run.
 
 Every task starts from the same process state: ``torch.manual_seed(0)`` (and ``random``/``numpy``), the
 environment, working directory, default dtype/device, grad mode and thread count of a fresh worker, and a
@@ -58,6 +66,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
+from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -69,20 +78,28 @@ __all__ = [
     "run_world_fresh",
     "shutdown_pools",
     "start_alone",
+    "wait_for_the_other_ranks",
 ]
 
 #: Timeout given to ``init_process_group``: a collective or recv whose peer never comes raises after it.
 PROCESS_GROUP_TIMEOUT_S = 30.0
-#: Deadline for a new pool to spawn, import torch and rendezvous (eight ranks on two idle cores: ~12 s;
+#: Deadline for a new pool to start and rendezvous (eight ranks on two idle cores: ~12 s;
 #: several times that when the machine is busy).
 STARTUP_TIMEOUT_S = 180.0
 #: Once one rank has failed, how long to wait for the others before killing them: they are usually
 #: blocked in a collective with the failed rank and would otherwise sit out the process-group timeout.
 ERROR_GRACE_S = 2.0
+#: How workers start: "forkserver" (forked from a server that imported ``PRELOAD``) or "spawn" (a new
+#: interpreter each, importing torch itself: seconds more per rank, for a comparison).
+START_METHOD = "forkserver"
+#: Imported once by the fork server that starts every worker: torch only, no state of a test.
+PRELOAD = ["torch", "torch.distributed"]
 #: Tail of each rank's captured stdout/stderr kept in error messages.
 OUTPUT_TAIL_CHARS = 4000
 #: How long to wait for a silent rank to write its Python stacks (on SIGUSR1) before it is killed.
 STACK_DUMP_WAIT_S = 2.0
+#: How often :func:`wait_for_the_other_ranks` looks for the others' "returned" marks.
+RETURNED_POLL_S = 0.05
 
 
 class WorldError(RuntimeError):
@@ -108,7 +125,7 @@ class WorldTimeoutError(WorldError):
 
 
 # --------------------------------------------------------------------------------------------------
-# Worker side. Everything below runs in the spawned processes; torch is imported only here.
+# Worker side. Everything below runs in the worker processes; torch is imported only here.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -119,11 +136,50 @@ def _stack_file(workdir: str, rank: int) -> str:
 
 def _exit_when_orphaned(parent_pid: int) -> None:
     # A daemon process is only reaped by a parent that exits cleanly; if pytest is SIGKILLed the workers
-    # are reparented and would idle forever. This thread runs even while the main thread sits in a task.
+    # would idle forever. This thread runs even while the main thread sits in a task. A forked worker's
+    # parent is the fork server, which outlives pytest while any worker holds its pipe: hence both checks.
+    first_parent = os.getppid()
     while True:
         time.sleep(1.0)
-        if os.getppid() != parent_pid:
+        if os.getppid() != first_parent:
             os._exit(3)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(3)
+        except PermissionError:  # a process of another user took the number
+            os._exit(3)
+
+
+#: In a worker: its pool's folder, its rank and world size, and the number of the task it runs now.
+_TASK: dict[str, Any] = {}
+
+
+def _returned_mark(workdir: str, task: int, rank: int) -> str:
+    """The file that says that ``rank`` returned from task number ``task`` of the pool in ``workdir``."""
+    return os.path.join(workdir, f"task{task}-rank{rank}.returned")
+
+
+def wait_for_the_other_ranks(ranks: list[int] | None = None, timeout: float = 60.0) -> bool:
+    """In a task: block until it has returned (or raised) on each of ``ranks`` (default: every other rank).
+
+    For a rank that stays alive but silent while its peers wait for it until their timeout: it returns
+    once they gave up, however long that took. A rank that died never returns: leave it out of ``ranks``.
+    Returns False if ``timeout`` seconds passed first (the caller goes on, as after a sleep).
+    """
+    if not _TASK:
+        raise RuntimeError(
+            "wait_for_the_other_ranks() is for a task of run_world or run_world_fresh"
+        )
+    if ranks is None:
+        ranks = [r for r in range(_TASK["world_size"]) if r != _TASK["rank"]]
+    marks = [_returned_mark(_TASK["workdir"], _TASK["task"], r) for r in ranks]
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(mark) for mark in marks):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(RETURNED_POLL_S)
+    return True
 
 
 def _reply(
@@ -204,11 +260,14 @@ def _run_task(rank: int, world_size: int, message: bytes, state: _ProcessState) 
         with redirect_stdout(output), redirect_stderr(output), warnings.catch_warnings(), recorder:
             state.restore()
             # fn's module may live in a directory the parent put on sys.path after this worker started.
-            parent_path, task = pickle.loads(message)
+            parent_path, _TASK["task"], task = pickle.loads(message)
             sys.path.extend(p for p in parent_path if p not in sys.path)
             fn, args = pickle.loads(task)
             dist.barrier()
-            result = fn(rank, world_size, *args)
+            try:
+                result = fn(rank, world_size, *args)
+            finally:
+                open(_returned_mark(_TASK["workdir"], _TASK["task"], rank), "w").close()
         try:
             payload = pickle.dumps(result)
         except Exception as exc:
@@ -234,9 +293,21 @@ def _run_task(rank: int, world_size: int, message: bytes, state: _ProcessState) 
 
 
 def _worker_main(
-    rank: int, world_size: int, workdir: str, conn: Connection, parent_pid: int
+    rank: int,
+    world_size: int,
+    workdir: str,
+    conn: Connection,
+    parent_pid: int,
+    environ: dict[str, str],
+    outputs: tuple[int, int],
 ) -> None:
     """Entry point of one pool process: join the world group, then run tasks until told to stop."""
+    # What a spawned worker inherits, not what the fork server had when it started.
+    os.environ.clear()
+    os.environ.update(environ)
+    for target, fd in zip((1, 2), outputs):
+        os.dup2(fd, target)  # where C++ (gloo) writes: the output of the test that started the pool
+        os.close(fd)
     # On a timeout the parent sends SIGUSR1 and puts the file in the error: where each thread was stuck.
     # faulthandler writes from the signal handler itself, so this works while blocked inside gloo.
     faulthandler.register(
@@ -267,6 +338,7 @@ def _worker_main(
             timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
         )
         state = _ProcessState()
+        _TASK.update(workdir=workdir, rank=rank, world_size=world_size)
     except BaseException:
         _reply(conn, "error", traceback.format_exc(), healthy=False)
         os._exit(1)
@@ -296,15 +368,40 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+class _InheritedFd:
+    """A file descriptor of this process that a worker gets a copy of when it starts (a spawned
+    process inherits fds 0-2; one forked by the server would have the server's)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup: Any) -> int:
+    return dup.detach()
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """The context of ``START_METHOD``; a fork server imports ``PRELOAD`` once, at the first pool."""
+    ctx = multiprocessing.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class _Pool:
-    """``world_size`` spawned workers sharing one gloo world group; runs one task at a time."""
+    """``world_size`` worker processes sharing one gloo world group; runs one task at a time."""
 
     def __init__(self, world_size: int, startup_timeout: float = STARTUP_TIMEOUT_S):
         self.world_size = world_size
         self._tmpdir = tempfile.mkdtemp(prefix=f"decent_optim_world{world_size}_")
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _context()
+        outputs = (_InheritedFd(1), _InheritedFd(2))
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[Connection] = []
+        self._tasks = 0  # numbered, for the marks of wait_for_the_other_ranks
         try:
             for rank in range(world_size):
                 here, there = ctx.Pipe(duplex=True)
@@ -312,7 +409,15 @@ class _Pool:
                 proc = ctx.Process(
                     target=_worker_main,
                     name=f"decent_optim-world{world_size}-rank{rank}",
-                    args=(rank, world_size, self._tmpdir, there, os.getpid()),
+                    args=(
+                        rank,
+                        world_size,
+                        self._tmpdir,
+                        there,
+                        os.getpid(),
+                        dict(os.environ),
+                        outputs,
+                    ),
                     daemon=True,
                 )
                 proc.start()
@@ -335,7 +440,8 @@ class _Pool:
         Returns ``(results by rank, whether the pool can take more tasks)``; a rank of ``killed``
         that died of SIGKILL gives None.
         """
-        message = pickle.dumps((list(sys.path), task))
+        self._tasks += 1
+        message = pickle.dumps((list(sys.path), self._tasks, task))
         deadline = time.monotonic() + timeout
         for conn in self._conns:
             try:

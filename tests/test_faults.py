@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from _harness import run_world_fresh
+from _harness import run_world_fresh, wait_for_the_other_ranks
 
 import decent_optim as dopt
 
@@ -171,7 +171,7 @@ def _peer_stalled(rank, world_size):
     opt = dopt.DSGD([x], lr=0.1, timeout=TIMEOUT)
     for step in range(4):
         if rank == 1 and step == 2:
-            time.sleep(TIMEOUT + 2)  # alive, connections open, but it sends nothing
+            wait_for_the_other_ranks()  # alive, connections open, but it sends nothing
             return "stalled"
         x.grad = torch.full((10,), float(rank + 1))
         start = time.monotonic()

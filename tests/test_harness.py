@@ -6,7 +6,14 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import WorldError, WorldTimeoutError, pool_pids, run_world, run_world_fresh
+from _harness import (
+    WorldError,
+    WorldTimeoutError,
+    pool_pids,
+    run_world,
+    run_world_fresh,
+    wait_for_the_other_ranks,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,6 +55,19 @@ def _recv_that_never_comes(rank, world_size):
     if rank == 0:
         dist.recv(torch.empty(1), src=1)  # rank 1 never sends
     return rank
+
+
+def _waits_for_rank_one(rank, world_size):
+    if rank == 1:
+        time.sleep(1.0)
+        return time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+    too_early = wait_for_the_other_ranks(timeout=0.2)
+    returned = wait_for_the_other_ranks(timeout=60)
+    return too_early, returned, time.monotonic()
+
+
+def _probe_env(rank, world_size):
+    return os.environ.get("DECENT_OPTIM_HARNESS_PROBE")
 
 
 def _exit_on_rank_one(rank, world_size):
@@ -187,8 +207,9 @@ def test_error_on_rank_one_reports_its_traceback_and_pool_recovers():
 
 def test_hang_times_out_and_next_task_works():
     start = time.monotonic()
-    with pytest.raises(WorldTimeoutError, match=r"no answer within 10 s from rank 0\b") as info:
-        run_world(_recv_that_never_comes, 2, timeout=10)
+    # 5 s: rank 1 answers within it on a loaded machine; rank 0's recv would fail only after 30 s
+    with pytest.raises(WorldTimeoutError, match=r"no answer within 5 s from rank 0\b") as info:
+        run_world(_recv_that_never_comes, 2, timeout=5)
     assert time.monotonic() - start < 40
     assert info.value.missing == [0] and info.value.failures == {}
     assert (
@@ -196,6 +217,20 @@ def test_hang_times_out_and_next_task_works():
     )  # where rank 0 was stuck, via faulthandler
     results = run_world(_all_reduce_rank_vectors, 2, 3)
     torch.testing.assert_close(results[0], torch.arange(3, dtype=torch.float64) * 3)
+
+
+def test_a_rank_can_wait_until_the_others_returned():
+    (too_early, returned, waited_until), rank_one_returned = run_world_fresh(_waits_for_rank_one, 2)
+    assert too_early is False and returned is True
+    assert waited_until > rank_one_returned
+    with pytest.raises(RuntimeError, match="for a task of run_world"):
+        wait_for_the_other_ranks()
+
+
+def test_a_new_world_gets_the_environment_of_its_start(monkeypatch):
+    run_world_fresh(_pid, 1)  # the fork server runs (with this environment) before the change
+    monkeypatch.setenv("DECENT_OPTIM_HARNESS_PROBE", "set by the test")
+    assert run_world_fresh(_probe_env, 2) == ["set by the test"] * 2
 
 
 def test_run_world_fresh_uses_new_processes_and_removes_them():

@@ -5,14 +5,13 @@ from __future__ import annotations
 import datetime
 import io
 import math
-import multiprocessing
 import os
+import signal
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
-from _harness import run_world, run_world_fresh
+from _harness import run_world, run_world_fresh, wait_for_the_other_ranks
 from test_optim_multiprocess import OPTIMIZERS, _loss, _model, _param_groups, _reference
 from torch import nn
 
@@ -437,7 +436,7 @@ def test_bad_decentralized_arguments(kwargs, match):
 # -- faults ----------------------------------------------------------------------------------------
 
 
-def _die_or_wait(rank, world_size, die_rank, die_after, out_dir):
+def _die_or_wait(rank, world_size, die_rank, die_after):
     model = _ckpt_model()
     opt = dopt.DecentralizedAdamW(model.parameters(), topology="ring", timeout=5.0)
     start = time.monotonic()
@@ -445,56 +444,27 @@ def _die_or_wait(rank, world_size, die_rank, die_after, out_dir):
     try:
         for t in range(50):
             if rank == die_rank and t == die_after:
-                os._exit(1)  # the process vanishes mid-training
+                os.kill(os.getpid(), signal.SIGKILL)  # the process vanishes mid-training
             x, y = _ckpt_batch(rank, t)
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
     except GossipError as err:
         message = str(err)
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(f"{time.monotonic() - start:.1f}\n{message}")
-
-
-def _fault_process(rank, world_size, init_file, out_dir):
-    import datetime
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    _die_or_wait(rank, world_size, 3, 5, out_dir)
-    os._exit(0)  # skip teardown: a peer is gone
+    return time.monotonic() - start, message
 
 
 @pytest.mark.multiprocess
-def test_dead_rank_makes_the_others_raise_with_round_and_peer(tmp_path):
-    # own processes rather than the harness: the harness stops every rank once one dies, and
-    # here the survivors must be left to notice it themselves
-    ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(target=_fault_process, args=(r, 4, str(tmp_path / "init"), str(tmp_path)))
-        for r in range(4)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 90
-    for p in procs:
-        p.join(timeout=max(deadline - time.monotonic(), 0.1))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not any(p.is_alive() for p in procs)
+def test_dead_rank_makes_the_others_raise_with_round_and_peer():
+    # killed=(3,): the harness leaves the survivors to notice the death themselves
+    results = run_world_fresh(_die_or_wait, 4, 3, 5, timeout=90, killed=(3,))
+    assert results[3] is None, results
     for rank in (0, 1, 2):
-        seconds, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
-        assert float(seconds) < 45, seconds
+        seconds, message = results[rank]
+        assert seconds < 45, seconds
         assert message.startswith(f"[rank {rank}] gossip round "), message
     # rank 3's ring partners: 2 in even rounds, 0 in odd rounds; at least one names it
-    texts = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 2)]
+    texts = [results[r][1] for r in (0, 2)]
     assert any("peer(s) [3]" in t for t in texts), texts
 
 
@@ -514,7 +484,7 @@ def _stop_early(rank, world_size):
         return str(err), time.monotonic() - start
     finally:
         if rank == 2:
-            time.sleep(8)  # alive but silent, until its neighbours gave up
+            wait_for_the_other_ranks()  # alive but silent, until its neighbours gave up
     return "no error", time.monotonic() - start
 
 

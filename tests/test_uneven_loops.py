@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from _harness import run_world, run_world_fresh
+from _harness import run_world, run_world_fresh, wait_for_the_other_ranks
 from _uneven import build, run_uneven, train_step, vector
 from test_optim_multiprocess import _model
 from test_uneven import _reference
@@ -49,7 +49,8 @@ def _leaves_early(rank, n):
         if rank == 0:
             for t in range(6):
                 train_step(model, opt, rank, t)
-            time.sleep(8)  # e.g. evaluating alone, or waiting at a barrier of its own
+            # e.g. evaluating alone, or waiting at a barrier of its own, until rank 1 gave up
+            wait_for_the_other_ranks()
             return "left", 0.0, ""
         t = 0
         while not opt.stopped:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import run_world, run_world_fresh
+from _harness import run_world, run_world_fresh, wait_for_the_other_ranks
 from _uneven import (
     SMALL_BUCKETS,
     build,
@@ -186,7 +186,7 @@ def _mate_stops(rank, n):
     except GossipError as err:
         return "raised", time.monotonic() - started, str(err)
     if rank == 1:
-        time.sleep(8)
+        wait_for_the_other_ranks()  # alive and silent until the others gave up
     return "finished", time.monotonic() - started, ""
 
 

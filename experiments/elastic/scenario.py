@@ -42,7 +42,11 @@ def free_port() -> int:
 
 def agent(args: argparse.Namespace, port: int, host: bool, log: Path) -> subprocess.Popen:
     """One elastic torchrun agent ("node"), in a session of its own (to kill its whole tree)."""
-    conf = f"is_host={int(host)},last_call_timeout={args.last_call},join_timeout=300"
+    conf = (
+        f"is_host={int(host)},last_call_timeout={args.last_call},join_timeout=300,"
+        f"keep_alive_interval={args.keep_alive_interval},"
+        f"keep_alive_max_attempt={args.keep_alive_max_attempt}"
+    )
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", f"1:{args.nodes}", "--nproc-per-node", str(args.nproc_per_node),
@@ -225,6 +229,14 @@ def main() -> None:
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--last-call", type=int, default=5, help="rendezvous last-call seconds")
+    p.add_argument(
+        "--keep-alive-interval", type=int, default=5,
+        help="seconds between an agent's heartbeats (torch's default)",
+    )  # fmt: skip
+    p.add_argument(
+        "--keep-alive-max-attempt", type=int, default=3,
+        help="missed heartbeats after which the rendezvous counts a node as gone (torch's default)",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="the rendezvous host (the first node)")
     p.add_argument("--background", action="store_true", help="background checkpoint saves")
     p.add_argument("--timeout", type=float, default=300.0, help="per phase")
