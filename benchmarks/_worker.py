@@ -9,7 +9,7 @@ time counts to the last rank's arrival. With emulated devices each step is padde
 time after forward and backward, before any communication, so DDP all-reduces its gradients
 after the pad (one flat buffer) instead of inside backward; Decent-DP, which communicates inside
 backward, is padded at the start of the step. ``uneven`` methods keep snapshots at their rounds
-instead and evaluate them afterwards (``_replay``). ``hetero`` methods (each rank its own H,
+(every ``--snapshot-rounds``-th, and the last) instead and evaluate them afterwards (``_replay``). ``hetero`` methods (each rank its own H,
 ``methods.local_steps``) count schedule, budget and evaluations in DDP-equivalent steps (the
 ranks' steps summed / n), stop at the first sync at or past the budget and evaluate only right
 after a sync, where every rank is. Rank 0 writes the method's row (``--part``).
@@ -151,8 +151,8 @@ def worker(args) -> None:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()  # DiLoCo: the inner step, and the outer one at the end of a period
         step += 1
-        if uneven:  # snapshots at every round, evaluated after training (see _replay)
-            if opt.round != evaluated:
+        if uneven:  # snapshots at rounds, evaluated after training (see _replay)
+            if opt.round != evaluated and (opt.round % args.snapshot_rounds == 0 or opt.stopped):
                 evaluated = opt.round
                 elapsed_s = time.perf_counter() - resumed
                 snapshots.append((elapsed_s, opt.progress, [p.detach().clone() for p in params]))

@@ -242,6 +242,10 @@ def main() -> None:
         q.add_argument("--uneven-budget-factor", type=float, default=0.0,
                        help="uneven methods' budget x --steps (0: --max-steps-factor); they are "
                        "evaluated after training, so they train to it")  # fmt: skip
+        q.add_argument("--snapshot-rounds", type=int, default=1,
+                       help="uneven methods keep their copies every this many rounds (and the "
+                       "last) for the evaluation after training: a copy of the model per rank "
+                       "and snapshot in memory, too much at 16 ranks of a 1.8M model")  # fmt: skip
         q.add_argument("--time-limit-factor", type=float, default=3.0)
         q.add_argument("--timing-steps", type=int, default=0, help="a timing run: K steps each, "
                        "no evaluation, s / step after the first period (report.py --compose)")  # fmt: skip
