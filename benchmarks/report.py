@@ -130,7 +130,8 @@ def table(key: tuple, group: dict, versus: str | None) -> str:
             cells += [str(row["steps"]), f"{row['ms_per_step']:.1f}", f"{row['final_loss']:.4f}"]
             cells.append(f"{(row['final_loss'] / ddp['final_loss'] - 1) * 100:+.2f}%" if ddp else "-")  # fmt: skip
             base = (ddp or {}).get("bytes_per_step")
-            wire = [f"1/{base / b:.0f}" if b and base and row is not ddp else "-"
+            wire = ["-" if not (b and base) or row is ddp else f"1/{base / b:.0f}" if b <= base
+                    else f"{b / base:.1f}x"  # more than DDP (a complete topology)
                     for b in (row.get("bytes_per_step"), row.get("bytes_per_step_after_first_eval"))]  # fmt: skip
             cells.append(wire[0] + (f" ({wire[1]} after the first evaluation)" if wire[1] != "-" else ""))  # fmt: skip
             lines.append(f"| {method} | {hw} | " + " | ".join(cells) + " |")

@@ -196,6 +196,15 @@ def _cells(text: str) -> dict[tuple[str, str], list[str]]:
     return rows
 
 
+def test_a_method_sending_more_than_ddp_shows_how_many_times(tmp_path: Path, capsys) -> None:
+    _write(tmp_path, "local", hardware="even", link=None, shape="1x4", seed=0, rows=[
+        _row("ddp", [(100, 50.0, 0.5)], None, 800.0),
+        _row("decent:complete", [(100, 60.0, 0.5)], 0.5, 2000.0),
+    ])  # fmt: skip
+    report.main(["local", "--results", str(tmp_path)])
+    assert _cells(capsys.readouterr().out)[("decent:complete", "even")][-1] == "2.5x"
+
+
 def test_the_report_gives_the_times_and_ratios_worked_out_by_hand(results: Path, capsys) -> None:
     report.main(["1gbit_a_*", "1gbit_b_even", "--results", str(results), "--versus", "diloco:H4"])
     out = capsys.readouterr().out
