@@ -9,10 +9,11 @@ time counts to the last rank's arrival. With emulated devices each step is padde
 time after forward and backward, before any communication, so DDP all-reduces its gradients
 after the pad (one flat buffer) instead of inside backward; Decent-DP, which communicates inside
 backward, is padded at the start of the step. ``uneven`` methods keep snapshots at their rounds
-(every ``--snapshot-rounds``-th, and the last) instead and evaluate them afterwards (``_replay``). ``hetero`` methods (each rank its own H,
-``methods.local_steps``) count schedule, budget and evaluations in DDP-equivalent steps (the
-ranks' steps summed / n), stop at the first sync at or past the budget and evaluate only right
-after a sync, where every rank is. Rank 0 writes the method's row (``--part``).
+(every ``--snapshot-rounds``-th, and the last) instead and evaluate them afterwards
+(``_replay``). ``hetero`` methods (each rank its own H, ``methods.local_steps``) count
+schedule, budget and evaluations in DDP-equivalent steps (the ranks' steps summed / n), stop at
+the first sync at or past the budget and evaluate only right after a sync, where every rank is.
+Rank 0 writes the method's row (``--part``).
 """
 
 from __future__ import annotations
