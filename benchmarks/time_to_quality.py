@@ -67,6 +67,8 @@ def campaign(args, worker_args: argparse.ArgumentParser) -> None:
         raise SystemExit(f"--shape {args.shape} has {nodes} nodes: give --rate or --regime")
     if args.hardware and not args.device_ms:
         raise SystemExit("--hardware needs --device-ms (the emulated step the speeds scale)")
+    if args.snapshot_rounds < 1:
+        raise SystemExit(f"--snapshot-rounds {args.snapshot_rounds}: give 1 (every round) or more")
     runs = [(link, seed, hw) for link in links or [(None, None, None)]
             for seed in args.seeds or [args.seed] for hw in args.hardware or [None]]  # fmt: skip
     names = [dict(link=link[1], shape=args.shape, hardware=hw, seed=seed) for link, seed, hw in runs]  # fmt: skip

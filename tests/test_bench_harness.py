@@ -137,6 +137,7 @@ def test_a_failed_run_fails_the_runner_after_the_others_ran(monkeypatch) -> None
         (["--methods", "ddp", "diloco:Hx"], "unknown part 'Hx'"),
         (["--shape", "2x2"], "--shape 2x2 has 2 nodes: give --rate or --regime"),
         (["--hardware", "half"], "--hardware needs --device-ms"),
+        (["--snapshot-rounds", "0"], "--snapshot-rounds 0: give 1 (every round) or more"),
         (["--rate", "1gbit", "--seeds", "0", "1", "--tag", "r"], "names several runs alike"),
         (["--shape", "2by2", "--rate", "1gbit"], "nodes x ranks, e.g. 2x2"),
         (["--one-launch", "--rate", "1gbit"], "--one-launch runs on this machine only"),
