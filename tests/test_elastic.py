@@ -38,7 +38,9 @@ def test_killed_node_run_shrinks_then_grows_back_and_finishes(tmp_path):
     assert summary["world_sizes"] == [4, 2, 4]
     assert summary["exit_codes"] == [0, 0]
     assert summary["final_step"] == 300
-    # resumed from the newest complete checkpoint: at most one save interval redone
-    assert 0 <= summary["steps_lost_at_kill"] < args.save_every + 1
-    assert 0 <= summary["steps_lost_at_rejoin"] < args.save_every + 1
+    # resumed from the newest complete checkpoint. Saves run in a thread (--background), so
+    # the newest one may still be in flight when the workers are stopped: it is incomplete
+    # and rightly skipped, and up to two save intervals are redone (12 seen under load 9)
+    assert 0 <= summary["steps_lost_at_kill"] <= 2 * args.save_every
+    assert 0 <= summary["steps_lost_at_rejoin"] <= 2 * args.save_every
     assert summary["resumed_from_step"] % args.save_every == 0
