@@ -172,12 +172,13 @@ def plot(groups: dict, out: Path) -> list[Path]:
         panels = [(seed, hw, run) for (li, sh, seed), group in groups.items()
                   if (li, sh) == (link, shape) for hw, run in group.items()]  # fmt: skip
         fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+        names = dict.fromkeys(m for *_, run in panels for m in run["rows"] if m != "ddp")
+        color = dict(zip(names, plt.get_cmap("tab20").colors), ddp="k")  # a method's, every panel
         for ax, (seed, hw, run) in zip(axes[0], panels):
-            colors = iter(plt.get_cmap("tab20").colors)
             for method, r in run["rows"].items():
                 ddp = method == "ddp"
                 ax.plot([c["train_s"] for c in r["curve"]], [c["val_loss"] for c in r["curve"]],
-                        color="k" if ddp else next(colors), lw=2 if ddp else 1.2, label=method,
+                        color=color[method], lw=2 if ddp else 1.2, label=method,
                         ls="--" if method.startswith("diloco") else "-")  # fmt: skip
             target = run["rows"]["ddp"]["final_loss"] if "ddp" in run["rows"] else None
             if target:
