@@ -138,9 +138,12 @@ def test_collectives_of_the_users_at_rounds_and_a_budget_raised_after_the_stop()
     assert steps0 > steps1, "rank 0 should take more steps (the test would be vacuous)"
     assert len(sums0) == len(sums1) >= 3
     assert all(s == [2.0, 2.0, 2.0] for s in sums0 + sums1), (sums0, sums1)
-    # both stops on both ranks at the same round, each at its budget (within a period)
+    # both stops on both ranks at the same round, each at its budget within a period: the rule
+    # is S_k / n + H >= budget at the round, and a slow rank may mix it after fewer than H = 2
+    # steps of its own, so its progress can read up to H below (19.5 of 20 seen under load)
     assert [r for r, _ in stops0] == [r for r, _ in stops1]
-    assert stops0[0][1] >= budget and stops1[1][1] >= budget + more
+    for stops in (stops0, stops1):
+        assert budget - 2 <= stops[0][1] and budget + more - 2 <= stops[1][1], stops
     assert stops0[1][0] > stops0[0][0], "the raised budget did not train on"
 
 
