@@ -104,13 +104,16 @@ def test_a_collective_at_different_rounds_is_a_clear_error_on_every_rank():
     assert msg0 == msg1
 
 
+LOCAL_STEPS = 2  # of the run below: its stop may read up to this far below the budget
+
+
 def _collectives_at_rounds(rank, n, budget, more):
     """Uneven speeds; at every other round, a collective of the user's own and an average;
     after the stop, a larger budget goes on."""
     import torch.distributed as dist
 
     model = _model()
-    opt = build(model, 2, budget=None, timeout=60)
+    opt = build(model, LOCAL_STEPS, budget=None, timeout=60)
     sums, stops, last, t = [], [], -1, 0
     for total in (budget, budget + more):
         opt.stop_at(total)
@@ -139,11 +142,12 @@ def test_collectives_of_the_users_at_rounds_and_a_budget_raised_after_the_stop()
     assert len(sums0) == len(sums1) >= 3
     assert all(s == [2.0, 2.0, 2.0] for s in sums0 + sums1), (sums0, sums1)
     # both stops on both ranks at the same round, each at its budget within a period: the rule
-    # is S_k / n + H >= budget at the round, and a slow rank may mix it after fewer than H = 2
+    # is S_k / n + H >= budget at the round, and a slow rank may mix it after fewer than H
     # steps of its own, so its progress can read up to H below (19.5 of 20 seen under load)
     assert [r for r, _ in stops0] == [r for r, _ in stops1]
     for stops in (stops0, stops1):
-        assert budget - 2 <= stops[0][1] and budget + more - 2 <= stops[1][1], stops
+        low, high = stops
+        assert low[1] >= budget - LOCAL_STEPS and high[1] >= budget + more - LOCAL_STEPS, stops
     assert stops0[1][0] > stops0[0][0], "the raised budget did not train on"
 
 
