@@ -4,7 +4,9 @@
 #  * DDP and DiLoCo are step-locked (their losses at step k do not depend on the devices), so
 #    their time is composed: the even quality run's steps x seconds per step timed here on the
 #    uneven devices (report.py --compose r40q_2x2_s<seed> r40t_R<r>_<hardware>_s<seed>).
-#  * Ours with uneven=True is not (arrivals decide the mixing): a full run under the link.
+#  * Ours with uneven=True is not (arrivals decide the mixing): a full run under the link; with one
+#    worker at half speed also torchft's answer, a sync period per replica that follows its speed
+#    (DiLoCo :hetero), a full run too. (With jitter every replica has the same speed.)
 # uneven2x2.sh R SEED HARDWARE... (half, jitter)
 set -eu
 cd "$(dirname "$0")/../.."
@@ -17,8 +19,11 @@ for hw in "$@"; do
     "${common[@]}" --timing-steps 32 --tag "r40t_{link}_${hw}_short_s{seed}" --methods ddp
   PYTHONPATH=$PWD python benchmarks/time_to_quality.py --regime "$r" --shape 2x2 --hardware "$hw" \
     "${common[@]}" --timing-steps 96 --tag "r40t_{link}_${hw}_s{seed}" --methods diloco:H16:x1.5:olr0.5:om0.7
+  full="decent:alternating-exp-ring+int8:x3:uneven"
+  [ "$hw" = half ] && full="$full diloco:H16:x1.5:olr0.5:om0.7:hetero"
+  # shellcheck disable=SC2086
   PYTHONPATH=$PWD python benchmarks/time_to_quality.py --regime "$r" --shape 2x2 --hardware "$hw" \
     "${common[@]}" --time-limit-factor 0 --tag "r40u_{link}_{shape}_{hardware}_s{seed}" \
-    --ddp-from "benchmarks/results/ttq_r40q_2x2_s${seed}.json" --methods ddp decent:alternating-exp-ring+int8:x3:uneven
+    --ddp-from "benchmarks/results/ttq_r40q_2x2_s${seed}.json" --methods ddp $full
 done
 uptime
