@@ -23,7 +23,7 @@ for hw in "$@"; do
   [ "$hw" = half ] && full="$full diloco:H16:x1.5:olr0.5:om0.7:hetero"
   # shellcheck disable=SC2086
   PYTHONPATH=$PWD python benchmarks/time_to_quality.py --regime "$r" --shape 2x2 --hardware "$hw" \
-    "${common[@]}" --time-limit-factor 0 --tag "r40u_{link}_{shape}_{hardware}_s{seed}" \
+    "${common[@]}" --time-limit-factor 0 --snapshot-rounds 12 --tag "r40u_{link}_{shape}_{hardware}_s{seed}" \
     --ddp-from "benchmarks/results/ttq_r40q_2x2_s${seed}.json" --methods ddp $full
 done
 uptime
