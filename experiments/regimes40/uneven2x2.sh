@@ -19,6 +19,8 @@ for hw in "$@"; do
     "${common[@]}" --timing-steps 32 --tag "r40t_{link}_${hw}_short_s{seed}" --methods ddp
   PYTHONPATH=$PWD python benchmarks/time_to_quality.py --regime "$r" --shape 2x2 --hardware "$hw" \
     "${common[@]}" --timing-steps 96 --tag "r40t_{link}_${hw}_s{seed}" --methods diloco:H16:x1.5:olr0.5:om0.7
+  PYTHONPATH=$PWD python benchmarks/time_to_quality.py --regime "$r" --shape 2x2 --hardware "$hw" \
+    "${common[@]}" --timing-steps 96 --tag "r40t_{link}_${hw}_h4_s{seed}" --methods diloco:H4:avg:x2
   full="decent:alternating-exp-ring+int8:x3:uneven"
   [ "$hw" = half ] && full="$full diloco:H16:x1.5:olr0.5:om0.7:hetero"
   # shellcheck disable=SC2086
