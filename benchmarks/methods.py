@@ -284,6 +284,12 @@ def not_step_locked(spec: str) -> str | None:
     return "each rank's H follows its speed" if m["hetero"] else None
 
 
+def node_blind(spec: str) -> bool:
+    """Whether ``spec`` trains alike whatever the ranks per node: all but the gossip methods, whose
+    topology and compression follow the nodes (DDP and DiLoCo average exactly on any shape)."""
+    return not REGISTRY[parse(spec)["kind"]].topology_first
+
+
 def period(spec: str) -> int:
     """Steps after which a step-locked method's work repeats: its longest period (with a delay)."""
     return max((m := parse(spec))["H"], m["slow"] or 1) + m["tau"]

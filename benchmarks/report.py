@@ -219,14 +219,19 @@ def _s_per_step(row: dict, upto: int) -> float:
 
 def _pooled(tags: str, results: Path) -> dict:
     """One side of a --compose pair: a run, or runs joined by "+" whose rows are pooled (a
-    method in several: the first run's); they must train alike, as the two sides must."""
+    method in several: the first run's); they must train alike, as the two sides must, but for
+    the ranks per node: the first run's count, and from a run with another count only the
+    methods that do not mix by node (``methods.node_blind``: DDP's rows of a 2x2 run serve 4x1)."""
     names = tags.split("+")
     metas = [json.loads(_paths(x, results)[0].read_text()) for x in names]
-    for name, other in zip(names[1:], metas[1:]):
-        if (a := _alike(metas[0])) != (b := _alike(other)):
-            differ = [f for f in a if a[f] != b.get(f)]
+    a, nodes, rows = _alike(metas[0]), "--local-world-size", {}
+    for name, meta in zip(names, metas):
+        b = _alike(meta)
+        if differ := [f for f in a if a[f] != b.get(f) and f != nodes]:
             raise SystemExit(f"--compose {tags}: {name} trains otherwise ({differ})")
-    rows = {r["method"]: r for m in reversed(metas) for r in m["rows"]}
+        for r in meta["rows"]:
+            if a[nodes] == b[nodes] or methods.node_blind(r["method"]):
+                rows.setdefault(r["method"], r)
     ddp_first = sorted(rows.values(), key=lambda r: r["method"] != "ddp")
     return {**metas[0], "tag": tags, "rows": ddp_first}
 

@@ -389,6 +389,28 @@ def test_a_side_of_compose_may_pool_runs_that_train_alike(composed: Path, capsys
         report.main(["--compose", "q", "tp+ts1", "--results", str(composed)])
 
 
+def test_a_pooled_run_with_other_ranks_per_node_gives_only_the_methods_that_do_not_mix_by_node(
+    composed: Path, capsys
+) -> None:
+    # 4 nodes x 1: ours's quality run of its own; DDP and DiLoCo from the 2x2 run (q), which
+    # average exactly on any shape; q's gossip row (2 ranks per node) must not stand in for 4x1
+    one = ["--local-world-size", "1"]
+    _write(composed, "q41", link="local", shape="4x1", seed=0, argv=[*ALIKE, *one], rows=[
+        _row("decent:ring:H8", [(50, 9.0, 0.6), (100, 9.0, 0.5)], 0.5),
+    ])  # fmt: skip
+    t = json.loads((composed / "ttq_t.json").read_text())
+    (composed / "ttq_t41.json").write_text(json.dumps({**t, "argv": [*t["argv"], *one]}))
+    report.main(["--compose", "q41+q", "t41", "--results", str(composed)])
+    out = capsys.readouterr().out
+    got = _composed(out)
+    assert got["ddp"][:3] == ["100", "0.4000", "40.0 s"]
+    assert got["diloco:H4"][:3] == ["75", "0.1000", "7.5 s"]
+    assert "decent:ring:H2: missing from the quality run" in out  # q's, 2 ranks per node
+    assert "decent:ring:H8: missing from the timing run" in out  # q41's own row is kept
+    with pytest.raises(SystemExit, match=r"--local-world-size differs \(1\.0 vs 2\)"):
+        report.main(["--compose", "q41+q", "t", "--results", str(composed)])  # a 2x2 timing
+
+
 def test_compose_refuses_other_ranks_and_odd_tags(composed: Path) -> None:
     meta = json.loads((composed / "ttq_t.json").read_text())
     for r in meta["rows"]:
