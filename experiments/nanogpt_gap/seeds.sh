@@ -2,7 +2,8 @@
 # Many runs of the study at once on a machine with more cores: seeds.sh QUEUE [PARALLEL]
 # QUEUE has one run a line, "SEED METHOD LR" (METHOD: ddp, or a topology for DecentralizedAdamW
 # every step, e.g. ring or complete); PARALLEL runs of 4 ranks at a time (default 4: 16 cores).
-# env: NANOGPT (the ported checkout), LOGS (default ./logs), ITERS (run.sh's; names end -i<ITERS>). One summary line a run on stdout.
+# env: NANOGPT (the ported checkout), LOGS (default ./logs), ITERS (run.sh's; names end -i<ITERS>).
+# One summary line a run on stdout.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 export here

@@ -3,7 +3,10 @@
 # a node of its own, so every exchange crosses an uplink. DDP and DiLoCo average exactly whatever
 # the shape, so their quality runs are the 2x2 ones; ours mixes by topology, so its quality run is
 # made here, without a link (LWS=1). Then the timing runs, alone, under each regime's link.
-# shape4x1.sh SEED [quality|timing]... (default: both). Compose (R = 0.3, 3, 30):
+# shape4x1.sh SEED [quality|timing]... (default: both). At R = 30 the 8-step timing of ours is
+# mostly its start: the docs' table times ours over 32 steps as well (r40t_{link}_4x1_long_s<seed>):
+#   SHAPE=4x1 experiments/regimes40/timing.sh 30 32 SEED 'r40t_{link}_4x1_long_sSEED' <ours>
+# Compose (R = 0.3, 3, 30; at 30 put r40t_R30_4x1_long_s<seed>+ first on the timing side):
 #   python benchmarks/report.py --compose r40q_4x1_s<seed>+r40q5_2x2_s<seed>+r40q_2x2_s<seed> \
 #     r40t_R<r>_4x1_short_s<seed>+r40t_R<r>_4x1_h4_s<seed>+r40t_R<r>_4x1_h16_s<seed>
 set -eu
