@@ -1,35 +1,22 @@
 """Optimizer + communication memory per parameter, per class, on 2 gloo ranks.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/memory.py
+    torchrun --standalone --nproc-per-node 2 benchmarks/memory.py          # memory.{json,md}
     torchrun --standalone --nproc-per-node 4 benchmarks/memory.py --compressed
     torchrun --standalone --nproc-per-node 4 benchmarks/memory.py --sharded
-
-``--compressed``: DecentralizedAdamW on ``alternating-exp-ring`` with the 4 ranks taken as 2
-nodes of 2 (``local_world_size=2``), for ``compression=None``, ``"bf16"`` and ``"int8"`` (the
-public copies and payload buffers of the rounds across nodes); results in ``memory_compressed.*``.
-``--sharded``: DecentralizedAdamW on FSDP2 (``fully_shard`` per layer on ``mesh["shard"]``) with
-1, 2 and 4 shards per replica (4, 2 and 1 replicas, ring over ``mesh["replicate"]``), per rank,
-against the whole model's parameter bytes; FSDP2's own storage is left out like the parameters.
-Results in ``memory_sharded.*``.
-
-After a few steps on a model of many small and a few large tensors, every tensor reachable from
-the optimizer object (its state, flat buffers, gossip receive buffers, scratch) is collected,
-unique by storage; the parameters' own storage (the flat parameter buckets) and the gradients
-are left out, as torch counts them apart from the optimizer. The result is given in bytes and in
-parameter-sized buffers (bytes / (numel * element size)). Decent-DP's wrapper is walked the same
-way (its optimizers, parameter copies and communication blocks). DDP's reducer buckets live in
-C++ and are not reachable, so DDP is listed with its optimizer only.
-Results: ``benchmarks/results/memory.{json,md}``.
-
     python benchmarks/memory.py --device cuda --shapes gpt-1.3b [--out DIR]
 
-One process, no process group: the peak memory of three optimizer steps beyond the parameters
-and gradients (``torch.cuda.max_memory_allocated``), for ``torch.optim.AdamW(fused=True)`` and
-for the full steps (mix + update) of DecentralizedAdamW, AccumAdamW and DSGD, whose gossip is
-the loopback of ``_loopback.py`` holding one receive buffer per bucket as the real gossip does.
-Target (issue 24): DecentralizedAdamW <= fused AdamW + one parameter copy. With
-``--device cpu`` (the smoke run) the tensors reachable from the optimizer are counted instead
-of a peak. Results: ``memory_<device>.{json,md}`` in ``--out``.
+After a few steps on a model of many small and a few large tensors, every tensor reachable from
+the optimizer (state, flat buffers, gossip receive buffers, scratch; for Decent-DP its wrapper's
+optimizers, copies and blocks) is counted once per storage, in bytes and in parameter-sized
+buffers; parameters and gradients are left out, as torch counts them apart (DDP's reducer
+buckets live in C++: DDP is listed with its optimizer only). ``--compressed``: 4 ranks as 2 nodes
+of 2 on ``alternating-exp-ring``, ``compression=None``, ``"bf16"``, ``"int8"``. ``--sharded``:
+FSDP2 (``fully_shard`` per layer on ``mesh["shard"]``) with 1, 2 and 4 shards per replica, per
+rank, against the whole model's parameter bytes. ``--device``: one process, the peak of three
+optimizer steps beyond parameters and gradients (``torch.cuda.max_memory_allocated``; on a CPU,
+the reachable tensors) for fused AdamW and the full steps of DecentralizedAdamW, AccumAdamW and
+DSGD over the loopback gossip of ``_loopback.py`` (``memory_peak.py``). Target (issue 24):
+DecentralizedAdamW <= fused AdamW + one parameter copy. Results: ``benchmarks/results/``.
 """
 
 from __future__ import annotations

@@ -237,9 +237,8 @@ def _torchft_missing(spec: str) -> str | None:
 
 def _decentdp_missing(spec: str) -> str | None:
     probe = subprocess.run([sys.executable, "-c", "import decent_dp"], capture_output=True)
-    if probe.returncode:
-        return "skipped, decent_dp does not import (pip install decent-dp==0.2.3)"
-    return None
+    why = "skipped, decent_dp does not import (pip install decent-dp==0.2.3)"
+    return why if probe.returncode else None
 
 
 TUNE = ("x", "olr", "om")

@@ -3,35 +3,28 @@
     python benchmarks/optimizer_step.py                          # CPU: many-small, few-large
     python benchmarks/optimizer_step.py --device cuda --shapes gpt-125m gpt-1.3b
 
-Shape sets: see ``shape_sets.py`` (``many-small``, ``few-large``, GPT-style ``gpt-125m``,
-``gpt-1.3b`` and ``gpt-tiny``). Methods (float32 parameters, gradients given):
-
-* ``torch-foreach`` / ``torch-fused``: ``torch.optim.AdamW(foreach=True)`` / ``(fused=True)``;
-* ``decent-update``: ``DecentralizedAdamW.step()`` with one worker (the local update only);
-* ``decent-step``: the full step, mix + update: the gossip is a loopback (``_loopback.py``) that
-  hands each bucket a real received buffer the way a pair round does (the peer's values and the
-  weight 1/2 are left to the update), so it times the arithmetic of a step without the network;
-* ``decent-step-compiled``: a one-pass candidate for the same full step, not the library's path:
-  ``torch.compile`` (``--compile-backend``; inductor generates a Triton kernel on GPUs) of
-  :func:`mix_kernel.mix_adamw_`, reading p, the peer's values, g, m, v and writing p, m, v once
-  (32 bytes per parameter instead of 40). Its gradients are views of one buffer per bucket (as
-  DDP's ``gradient_as_bucket_view``), so one call steps a whole bucket;
-* ``torch-sgd-fused`` / ``dsgd-update`` / ``dsgd-step``: the same for ``torch.optim.SGD(fused=True)``
-  and ``DSGD``, both with momentum 0.9;
-* ``accum-update`` / ``accum-step``: ``AccumAdamW(accum_iter=4)``, compared with torch's fused
-  AdamW (AccumAdam has no torch counterpart; with ``accum_iter=1`` it is Adam). Its update is
-  compiled (one pass, the peer's values read inside) for buckets from 2**20 elements.
+Shape sets: ``shape_sets.py``. Methods (float32 parameters, gradients given):
+``torch-foreach`` / ``torch-fused`` (``torch.optim.AdamW(foreach=True)`` / ``(fused=True)``);
+``decent-update`` (``DecentralizedAdamW.step()``, one worker: the local update only);
+``decent-step`` (mix + update over the loopback gossip of ``_loopback.py``, which hands each
+bucket a real received buffer as a pair round does: the arithmetic of a step without network);
+``decent-step-compiled``, a one-pass candidate that is not the library's path: ``torch.compile``
+(``--compile-backend``; a Triton kernel on GPUs) of :func:`mix_kernel.mix_adamw_`, reading p, the
+peer's values, g, m, v and writing p, m, v once (32 bytes per parameter instead of 40), on
+gradients that are views of one buffer per bucket, so that one call steps a bucket;
+``torch-sgd-fused`` / ``dsgd-update`` / ``dsgd-step`` (SGD and ``DSGD``, momentum 0.9);
+``accum-update`` / ``accum-step`` (``AccumAdamW(accum_iter=4)`` against torch's fused AdamW;
+its update is compiled, one pass reading the peer's values, for buckets from 2**20 elements).
 
 Effective bandwidth counts the bytes a step must move per float32 parameter: AdamW reads p, g,
 m, v and writes p, m, v (28 bytes); SGD with momentum 20; AccumAdam at least 28; the mix adds a
 read of p and of the received copy and a write of p (12 more; 4 for the one-pass kernel).
 ``vs torch`` is the ratio to the median of the torch counterpart named in ``reference``; ``of
-copy`` the effective bandwidth over that of a device-to-device copy of the same number of
-words, measured in the same run (bytes read + written). On CPUs the methods run interleaved
-round-robin, so machine load hits all alike; on a GPU (or with ``--one-at-a-time``) one after
-the other, so that memory holds one method's tensors at a time (a 1.3B set), timed with CUDA
-events, with the peak memory of each.
-Results go to ``--out`` (default ``benchmarks/results/``): ``optimizer_step.{json,md}``.
+copy`` the effective bandwidth over that of a device-to-device copy of as many words, measured
+in the same run. On CPUs the methods run interleaved round-robin, so machine load hits all
+alike; on a GPU (or ``--one-at-a-time``) one after the other, so that memory holds one method's
+tensors at a time (a 1.3B set), timed with CUDA events, with each one's peak memory. Results:
+``--out`` (default ``benchmarks/results/``), ``optimizer_step.{json,md}``.
 """
 
 from __future__ import annotations

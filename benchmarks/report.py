@@ -2,29 +2,23 @@
 
     python benchmarks/report.py TAG [TAG ...] [--losses 0.6,0.5] [--versus METHOD] [--plot DIR]
 
-Each TAG names ``benchmarks/results/ttq_<TAG>.json`` (shell patterns allowed, quoted:
-``'1gbit_outer_*'``). The runs are grouped by link (rate or regime R), cluster shape and seed;
-inside a group each run is one hardware (even, half, quarter, jitter: from the run's record, or
-for older runs from its arguments), and where several tags give a method on the same hardware the
-first tag's row is taken. Per group, one table: each method's time to DDP's final held-out loss
-(DDP's own: its training time), over ``--versus``'s time on the same hardware and over the same
-method's time on even hardware, its steps, ms per step, final loss against DDP's, bytes per step
-against DDP's. With ``--losses``, a second table: the time to each loss (the first evaluation at
-or below it), with the same two ratios:
+TAG names ``benchmarks/results/ttq_<TAG>.json`` (quoted shell patterns allowed). Runs are grouped
+by link (rate or regime R), shape and seed; in a group each run is one hardware (even, half,
+quarter, jitter), and a method given by several tags on one hardware is the first tag's. Per
+group, a table of each method's time to DDP's final held-out loss (DDP's: its training time)
+over ``--versus``'s and over its own on even hardware, with steps, ms per step, final loss and
+bytes per step against DDP's; ``--losses`` adds the time to each loss:
 
 .. math::
     t_m(\\ell) = \\min\\{\\, s_k : \\ell_k \\le \\ell \\,\\}, \\qquad
     \\text{vs } V = t_m(\\ell) / t_V(\\ell), \\qquad
     \\text{vs even} = t_m^{hw}(\\ell) / t_m^{even}(\\ell),
 
-over the evaluations :math:`(s_k, \\ell_k)` of the method's curve (seconds, held-out loss); a
-method with no even run of its own, ``...:fixed``, is compared with its even run without it (the
-periods differ only when the speeds do). ``--plot DIR``: one PNG per link and shape,
-``DIR/ttq_<link>_<shape>.png``, held-out loss against wall-clock, one panel per hardware and seed.
-The runner writes each run's own table with ``write_run``. ``--compose Q T [Q T ...]``, for
-step-locked methods: the time to a loss = quality run Q's steps to it (as above) x timing run T's
-seconds per step (``--timing-steps``; a full run as T checks it); the two must train alike
-(``ALIKE``); ``:uneven`` and ``:hetero`` methods are refused.
+over the evaluations :math:`(s_k, \\ell_k)` (seconds, held-out loss); ``...:fixed`` is compared
+with its even run without the suffix. ``--plot DIR``: held-out loss against wall-clock,
+``DIR/ttq_<link>_<shape>.png``, a panel per hardware and seed. ``--compose Q T [Q T ...]``, for
+step-locked methods: the time to a loss = Q's steps to it x T's seconds per step; the two runs
+must train alike (``ALIKE``); ``:uneven`` and ``:hetero`` are refused.
 """
 
 from __future__ import annotations
@@ -107,6 +101,13 @@ def _even(group: dict, method: str) -> dict | None:
     return rows.get(method) or rows.get(method.removesuffix(":fixed"))
 
 
+def _each(group: dict):
+    """(method, hardware, run, row) of a group, by method first, then hardware."""
+    for method in dict.fromkeys(m for run in group.values() for m in run["rows"]):
+        yield from ((method, hw, run, run["rows"][method]) for hw, run in group.items()
+                    if method in run["rows"])  # fmt: skip
+
+
 def table(key: tuple, group: dict, versus: str | None) -> str:
     link, shape, seed = key
     loads = ", ".join(f"{hw} {run['load'][0]:.1f}" for hw, run in group.items())
@@ -116,25 +117,22 @@ def table(key: tuple, group: dict, versus: str | None) -> str:
     lines = [f"{link}, {shape}, seed {seed} (load average at the end: {loads})"
              + (f"; V = {versus}" if versus else ""), "",
              "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]  # fmt: skip
-    for method in dict.fromkeys(m for run in group.values() for m in run["rows"]):
-        for hw, run in group.items():
-            row, ddp = run["rows"].get(method), run["rows"].get("ddp")
-            if row is None:
-                continue
-            t = time_to(row, None)
-            cells = [f"{t:.1f} s" if t is not None else f"not reached ({row['train_s']:.0f} s)"]
-            if versus:
-                cells.append(_ratio(t, time_to(run["rows"].get(versus), None)))
-            if uneven:
-                cells.append("-" if hw == "even" else _ratio(t, time_to(_even(group, method), None)))  # fmt: skip
-            cells += [str(row["steps"]), f"{row['ms_per_step']:.1f}", f"{row['final_loss']:.4f}"]
-            cells.append(f"{(row['final_loss'] / ddp['final_loss'] - 1) * 100:+.2f}%" if ddp else "-")  # fmt: skip
-            base = (ddp or {}).get("bytes_per_step")
-            wire = ["-" if not (b and base) or row is ddp else f"1/{base / b:.0f}" if b <= base
-                    else f"{b / base:.1f}x"  # more than DDP (a complete topology)
-                    for b in (row.get("bytes_per_step"), row.get("bytes_per_step_after_first_eval"))]  # fmt: skip
-            cells.append(wire[0] + (f" ({wire[1]} after the first evaluation)" if wire[1] != "-" else ""))  # fmt: skip
-            lines.append(f"| {method} | {hw} | " + " | ".join(cells) + " |")
+    for method, hw, run, row in _each(group):
+        ddp = run["rows"].get("ddp")
+        t = time_to(row, None)
+        cells = [f"{t:.1f} s" if t is not None else f"not reached ({row['train_s']:.0f} s)"]
+        if versus:
+            cells.append(_ratio(t, time_to(run["rows"].get(versus), None)))
+        if uneven:
+            cells.append("-" if hw == "even" else _ratio(t, time_to(_even(group, method), None)))  # fmt: skip
+        cells += [str(row["steps"]), f"{row['ms_per_step']:.1f}", f"{row['final_loss']:.4f}"]
+        cells.append(f"{(row['final_loss'] / ddp['final_loss'] - 1) * 100:+.2f}%" if ddp else "-")  # fmt: skip
+        base = (ddp or {}).get("bytes_per_step")
+        wire = ["-" if not (b and base) or row is ddp else f"1/{base / b:.0f}" if b <= base
+                else f"{b / base:.1f}x"  # more than DDP (a complete topology)
+                for b in (row.get("bytes_per_step"), row.get("bytes_per_step_after_first_eval"))]  # fmt: skip
+        cells.append(wire[0] + (f" ({wire[1]} after the first evaluation)" if wire[1] != "-" else ""))  # fmt: skip
+        lines.append(f"| {method} | {hw} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -142,21 +140,17 @@ def at_losses(group: dict, losses: list[float], versus: str | None) -> str:
     """Time to each loss, with its ratio to ``versus`` and to the same method on even hardware."""
     lines = ["| method | hardware | " + " | ".join(f"to {x:g}" for x in losses) + " | final |",
              "|---|---|" + "---:|" * (len(losses) + 1)]  # fmt: skip
-    for method in dict.fromkeys(m for run in group.values() for m in run["rows"]):
-        for hw, run in group.items():
-            row = run["rows"].get(method)
-            if row is None:
-                continue
-            cells = []
-            for loss in losses:
-                t = time_to(row, loss)
-                why = []
-                if versus and method != versus:
-                    why.append(_ratio(t, time_to(run["rows"].get(versus), loss)) + " V")
-                if hw != "even":
-                    why.append(_ratio(t, time_to(_even(group, method), loss)) + " even")
-                cells.append("-" if t is None else f"{t:.1f} s" + (f" ({', '.join(why)})" if why else ""))  # fmt: skip
-            lines.append(f"| {method} | {hw} | " + " | ".join(cells) + f" | {row['final_loss']:.4f} |")  # fmt: skip
+    for method, hw, run, row in _each(group):
+        cells = []
+        for loss in losses:
+            t = time_to(row, loss)
+            why = []
+            if versus and method != versus:
+                why.append(_ratio(t, time_to(run["rows"].get(versus), loss)) + " V")
+            if hw != "even":
+                why.append(_ratio(t, time_to(_even(group, method), loss)) + " even")
+            cells.append("-" if t is None else f"{t:.1f} s" + (f" ({', '.join(why)})" if why else ""))  # fmt: skip
+        lines.append(f"| {method} | {hw} | " + " | ".join(cells) + f" | {row['final_loss']:.4f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -167,6 +161,7 @@ def plot(groups: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out.mkdir(parents=True, exist_ok=True)
     written = []
     for link, shape in dict.fromkeys((k[0], k[1]) for k in groups):
         panels = [(seed, hw, run) for (li, sh, seed), group in groups.items()
@@ -176,20 +171,16 @@ def plot(groups: dict, out: Path) -> list[Path]:
         color = dict(zip(names, plt.get_cmap("tab20").colors), ddp="k")  # a method's, every panel
         for ax, (seed, hw, run) in zip(axes[0], panels):
             for method, r in run["rows"].items():
-                ddp = method == "ddp"
                 ax.plot([c["train_s"] for c in r["curve"]], [c["val_loss"] for c in r["curve"]],
-                        color=color[method], lw=2 if ddp else 1.2, label=method,
+                        color=color[method], lw=2 if method == "ddp" else 1.2, label=method,
                         ls="--" if method.startswith("diloco") else "-")  # fmt: skip
-            target = run["rows"]["ddp"]["final_loss"] if "ddp" in run["rows"] else None
-            if target:
+            if target := run["rows"].get("ddp", {}).get("final_loss"):
                 ax.axhline(target, color="k", lw=0.8, ls=":", label="DDP's final loss")
                 ax.set_ylim(0.97 * target, 1.3 * target)  # the approach to it is what matters
-            ax.set_title(f"{link}, {shape}, {hw}, seed {seed}")
-            ax.set_xlabel("training wall-clock s (evaluation excluded)")
-            ax.set_ylabel("held-out loss of the consensus model")
+            ax.set(title=f"{link}, {shape}, {hw}, seed {seed}", ylabel="held-out loss (consensus)",
+                   xlabel="training wall-clock s (evaluation excluded)")  # fmt: skip
             ax.legend(fontsize=7)
         fig.tight_layout()
-        out.mkdir(parents=True, exist_ok=True)
         written.append(out / f"ttq_{link}_{shape}.png")
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
@@ -218,10 +209,9 @@ def _s_per_step(row: dict, upto: int) -> float:
 
 
 def _pooled(tags: str, results: Path) -> dict:
-    """One side of a --compose pair: a run, or runs joined by "+" whose rows are pooled (a
-    method in several: the first run's); they must train alike, as the two sides must, but for
-    the ranks per node: the first run's count, and from a run with another count only the
-    methods that do not mix by node (``methods.node_blind``: DDP's rows of a 2x2 run serve 4x1)."""
+    """One side of a --compose pair: a run, or runs joined by "+" with pooled rows (a method in
+    several: the first run's). They must train alike but for the ranks per node: from a run with
+    another count than the first's, only ``methods.node_blind`` methods (DDP's 2x2 rows for 4x1)."""
     names = tags.split("+")
     metas = [json.loads(_paths(x, results)[0].read_text()) for x in names]
     a, nodes, rows = _alike(metas[0]), "--local-world-size", {}
@@ -314,11 +304,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timing-window", type=int, default=0, help="--compose with a full run as "
                    "the timing: its s / step up to this step, as a timing run's (0: to its end)")  # fmt: skip
     args = p.parse_args(argv)
-    losses = [float(x) for x in args.losses.split(",") if x]
+    losses, groups = [float(x) for x in args.losses.split(",") if x], {}
     if args.compose and len(args.tags) % 2:
         raise SystemExit("--compose takes pairs of tags: QUALITY TIMING [QUALITY TIMING ...]")
     if args.compose:
-        groups: dict = {}
         for qt, tt in zip(args.tags[::2], args.tags[1::2]):
             metas = [_pooled(x, Path(args.results)) for x in (qt, tt)]
             rows, lines = compose(*metas, args.timing_window)

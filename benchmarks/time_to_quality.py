@@ -43,16 +43,12 @@ import report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
-EMULATE = next((str(p) for p in (ROOT.parent / "shared/tools/emulate-cluster",
-                                 ROOT.parents[1] / "shared/tools/emulate-cluster") if p.exists()),
-               "emulate-cluster")  # fmt: skip
-HARDWARE = ("even", "half", "quarter", "jitter")
-DEFAULT_METHODS = [
-    "ddp", "decentdp:alternating-exp-ring", "decent:alternating-exp-ring",
-    "decent:alternating-exp-ring+int8", "diloco:H8", "diloco:H32",
-    "decent:alternating-exp-ring:H4", "decent:alternating-exp-ring+int8:H4",
-    "decent:alternating-exp-ring:H8:outer",
-]  # fmt: skip
+EMULATE = next((str(d / "shared/tools/emulate-cluster") for d in (ROOT.parent, ROOT.parents[1])
+                if (d / "shared/tools/emulate-cluster").exists()), "emulate-cluster")  # fmt: skip
+DEFAULT_METHODS = ["ddp", "decentdp:alternating-exp-ring", "decent:alternating-exp-ring",
+                   "decent:alternating-exp-ring+int8", "diloco:H8", "diloco:H32",
+                   "decent:alternating-exp-ring:H4", "decent:alternating-exp-ring+int8:H4",
+                   "decent:alternating-exp-ring:H8:outer"]  # fmt: skip
 
 
 def campaign(args, worker_args: argparse.ArgumentParser) -> None:
@@ -212,7 +208,7 @@ def main() -> None:
     p.add_argument("--regime", type=float, nargs="+", default=[],
                    help="R: the link at which one fp32 copy of the model takes R steps of "
                    "--device-ms to cross a node's uplink; one run each (tags R<r>)")  # fmt: skip
-    p.add_argument("--hardware", nargs="+", default=[], choices=HARDWARE)
+    p.add_argument("--hardware", nargs="+", default=[], choices=report.HARDWARE)
     p.add_argument("--seeds", type=int, nargs="+", default=[], help="one run each (--seed: one)")
     p.add_argument("--emulate", default=os.environ.get("EMULATE_CLUSTER", EMULATE))
     p.add_argument("--timeout", type=int, default=3600, help="emulate-cluster's, per run")

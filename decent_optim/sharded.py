@@ -25,8 +25,9 @@ the buckets, which saves that copy. The optimizer receives parameters, not the F
 that own the storage objects (``FSDPParam``), and FSDP2 re-allocates and re-points a padded
 shard on its own (``reset_sharded_param`` at lazy init, after ``.to()`` and after
 ``load_state_dict``), which would silently cut such an alias. The alias would save exactly the
-copy and its memory; measured with ``benchmarks/sharded_storage.py`` (16.8M parameters over 2
-gloo CPU shards, 1 thread): 32 MiB per rank next to 64 MiB of AdamW state, and 2.9 ms per step,
+copy and its memory; measured with ``benchmarks/sharded_storage.py`` (retired; ``git show
+f11e7f3:benchmarks/sharded_storage.py``; 16.8M parameters over 2 gloo CPU shards, 1 thread):
+32 MiB per rank next to 64 MiB of AdamW state, and 2.9 ms per step,
 28% of the optimizer step (a copy moves 8 bytes per parameter, AdamW 28) but 1% of an iteration
 of 284 ms. Robustness wins over that 1%.
 
