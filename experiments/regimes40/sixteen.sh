@@ -6,7 +6,9 @@
 #  * DDP, DiLoCo and ours without uneven are step-locked: a timing run each on every HARDWARE;
 #    their steps to a loss come from the quality runs (experiments: r40q*_8x2_s<seed>, at 500 ms,
 #    which does not change the steps), so their time is steps x seconds per step timed here.
-#  * Ours with uneven=True (arrivals decide the mixing), on half and jitter: a full run here.
+#  * Ours with uneven=True (arrivals decide the mixing), on half and jitter: a short full run
+#    (a 64-step schedule, 96 steps) for its seconds per step; a full run of its 1104 steps to
+#    DDP's loss would take 20 minutes a hardware.
 # sixteen.sh R SEED HARDWARE... (even, half, jitter)
 set -eu
 cd "$(dirname "$0")/../.."
@@ -24,7 +26,8 @@ for hw in "$@"; do
   ttq --timing-steps 32 --tag "r40t_{link}_8x2_${hw}_short_s{seed}" --methods ddp "$ours"
   ttq --timing-steps 96 --tag "r40t_{link}_8x2_${hw}_s{seed}" --methods diloco:H16:x1.5:olr0.5:om0.7
   [ "$hw" = even ] && continue
-  ttq --time-limit-factor 0 --snapshot-rounds 12 --tag "r40u_{link}_{shape}_{hardware}_s{seed}" \
+  ttq --steps 64 --warmup 8 --eval-every 32 --val-batches 2 --time-limit-factor 0 \
+    --snapshot-rounds 12 --tag "r40u_{link}_{shape}_{hardware}_short_s{seed}" \
     --ddp-from "benchmarks/results/ttq_r40q_8x2_s${seed}.json" --methods ddp "$ours:uneven"
 done
 uptime
