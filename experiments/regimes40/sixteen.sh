@@ -7,8 +7,9 @@
 #    their steps to a loss come from the quality runs (experiments: r40q*_8x2_s<seed>, at 500 ms,
 #    which does not change the steps), so their time is steps x seconds per step timed here.
 #  * Ours with uneven=True (arrivals decide the mixing), on half and jitter: a short full run
-#    (a 64-step schedule, 96 steps) for its seconds per step; a full run to DDP's loss (1100+
-#    steps, about 25 minutes) and the evaluation of its snapshots took more than 45 minutes.
+#    (a 64-step schedule, a budget of 96 steps: 97-98 taken) for its seconds per step; a full
+#    run to DDP's loss (1100+ steps, about 25 minutes) and the evaluation of its snapshots took
+#    more than 45 minutes.
 # sixteen.sh R SEED HARDWARE... (even, half, jitter)
 set -eu
 cd "$(dirname "$0")/../.."
