@@ -7,9 +7,9 @@
 #    their steps to a loss come from the quality runs (experiments: r40q*_8x2_s<seed>, at 500 ms,
 #    which does not change the steps), so their time is steps x seconds per step timed here.
 #  * Ours with uneven=True (arrivals decide the mixing), on half and jitter: a short full run
-#    (a 64-step schedule, a budget of 96 steps: 97-98 taken) for its seconds per step; a full
-#    run to DDP's loss (1100+ steps, about 25 minutes) and the evaluation of its snapshots took
-#    more than 45 minutes.
+#    (a 64-step schedule, a budget of 96 steps: 97-99 taken) for its seconds per step. The full
+#    run to DDP's loss at half speed (1868 steps, 52 minutes with the evaluation of its
+#    snapshots) is a command of its own: docs/time_to_quality.rst, "Sixteen workers".
 # sixteen.sh R SEED HARDWARE... (even, half, jitter)
 set -eu
 cd "$(dirname "$0")/../.."
