@@ -5,7 +5,7 @@
 
 Runs, each in its own process with a deadline so that the whole stays under ``--budget-s``:
 
-1. ``pytest tests/test_cuda.py`` with ``DECENT_OPTIM_TEST_DEVICE=<device>`` -> ``pytest.txt``;
+1. ``pytest tests/test_cuda.py tests/test_cuda_rounds.py`` with ``DECENT_OPTIM_TEST_DEVICE=<device>`` -> ``pytest.txt``;
 2. ``optimizer_step.py`` (AdamW, AccumAdamW and SGD methods, the one-pass candidate) on the
    GPT-style shape sets -> ``optimizer_step.{md,json}``;
 3. ``memory.py --device`` (peak memory beyond parameters and gradients) -> ``memory_<kind>.{md,json}``;
@@ -41,6 +41,8 @@ METHODS = [
     "torch-fused", "decent-update", "decent-step", "decent-step-compiled", "accum-update",
     "accum-step", "torch-sgd-fused", "dsgd-update", "dsgd-step",
 ]  # fmt: skip
+#: the CUDA tests: the optimizers' paths (issue 24), and the rounds, codecs and schedules after it
+TEST_FILES = ["tests/test_cuda.py", "tests/test_cuda_rounds.py"]
 #: the most seconds each stage may take (less when the budget left is smaller)
 STAGE_CAP_S = {"tests": 300, "optimizer_step": 200, "memory": 100}
 
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (tiny smoke run)")
     p.add_argument("--out", type=Path, default=None, help="default: $OUT, else ./gpu_check_out")
     p.add_argument("--budget-s", type=float, default=570, help="for all stages together")
-    p.add_argument("--tests-k", default=None, help="pytest -k expression for tests/test_cuda.py")
+    p.add_argument("--tests-k", default=None, help="pytest -k expression for the CUDA tests")
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--shapes", nargs="+", default=None, help="optimizer_step shape sets")
     args = p.parse_args(argv)
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pytest_line, tests_ok = "not run", True
     if not args.skip_tests:
-        cmd = [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py"]
+        cmd = [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TEST_FILES]
         if args.tests_k:
             cmd += ["-k", args.tests_k]
         tests_ok, text = stages.run("tests", cmd, out / "pytest.txt")
@@ -159,7 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     stages.log.close()
 
     lines = [f"# GPU check ({args.device}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
-    lines += ["", *_machine(args.device), "", f"pytest tests/test_cuda.py: **{pytest_line}**", ""]
+    lines += [
+        "",
+        *_machine(args.device),
+        "",
+        f"pytest {' '.join(TEST_FILES)}: **{pytest_line}**",
+        "",
+    ]
     lines += ["| stage | status | seconds |", "|---|---|---:|"]
     lines += [f"| {name} | {status} | {sec:.0f} |" for name, status, sec in stages.report]
     for table in ("optimizer_step.md", f"memory_{kind}.md"):

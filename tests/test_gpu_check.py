@@ -1,7 +1,7 @@
 """The GPU check's smoke run on the CPU: one command writes every table (benchmarks/gpu_check.py).
 
 The check itself needs a GPU (issue 24); this keeps the command, its stages and its tables from
-rotting between the sessions that have one. ``--tests-k`` picks one test of tests/test_cuda.py,
+rotting between the sessions that have one. ``--tests-k`` picks one test of the CUDA tests,
 so the run takes seconds.
 """
 
@@ -32,7 +32,7 @@ def test_gpu_check_smoke_run_writes_every_table(tmp_path):
     # flat and few: the device tool brings back at most 8 files from at most 2 folders down
     assert sorted(p.name for p in tmp_path.iterdir()) == FILES
     summary = (tmp_path / "summary.md").read_text()
-    assert "pytest tests/test_cuda.py: **1 passed" in summary, summary
+    assert "pytest tests/test_cuda.py tests/test_cuda_rounds.py: **1 passed" in summary, summary
     steps = (tmp_path / "optimizer_step.md").read_text()
     for method in ("torch-fused", "decent-update", "decent-step", "decent-step-compiled"):
         assert f"| gpt-tiny | 28 | 0.1M | {method} |" in steps, steps
