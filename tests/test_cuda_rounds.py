@@ -16,27 +16,19 @@ momentum outside for the schedules (a worker alone: its round mixes nothing).
 from __future__ import annotations
 
 import io
-import os
 
 import pytest
 import torch
 from _harness import run_world
-from test_codecs_sparse import reference
+from test_codecs_sparse import LEVELS, reference
+from test_cuda import DEVICE, _batch, _mlp
+from test_cuda import pytestmark as pytestmark  # the same skip without a GPU
 from torch import nn
 
 import decent_optim as dopt
 from decent_optim.gossip import codecs
 from decent_optim.gossip.codec_base import CHUNK, slice_len
 from decent_optim.runtime import wire
-
-DEVICE_ENV = "DECENT_OPTIM_TEST_DEVICE"
-DEVICE = torch.device(os.environ.get(DEVICE_ENV, "cuda"))
-pytestmark = pytest.mark.skipif(
-    DEVICE.type == "cuda" and not torch.cuda.is_available(),
-    reason=f"torch.cuda.is_available() is False ({DEVICE_ENV}=cpu runs these checks on the CPU)",
-)
-LEVELS = {8: 127, 4: 7, 2: 1}
-
 
 # -- the codecs on the device ---------------------------------------------------------------------
 
@@ -94,16 +86,9 @@ def test_a_codec_on_the_device_adds_what_the_reference_adds(name):
 # -- local steps, the outer step and uneven rounds at world size one ------------------------------
 
 
-def _mlp(device: torch.device) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(device)
-
-
 def _loss(model: nn.Module, t: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(100 + t)
-    x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
-    device = next(model.parameters()).device
-    return nn.functional.mse_loss(model(x.to(device)), y.to(device))
+    x, y = _batch(next(model.parameters()).device, t)
+    return nn.functional.mse_loss(model(x), y)
 
 
 #: name -> (options, the steps after which the outer step comes, outer lr, outer momentum)
