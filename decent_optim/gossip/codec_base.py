@@ -23,6 +23,15 @@ SLICE = 1 << 18
 SLICE_BY_DEVICE = {"cpu": SLICE, "cuda": 1 << 24}
 
 
+def divide_(x: Tensor, divisor: float) -> Tensor:
+    """``x /= divisor`` in place, one correctly rounded quotient per value on every device.
+
+    CUDA turns a division by a host number into a product with its reciprocal, which may round
+    the other way: a chunk's scale, and so its payload, would then depend on the hardware.
+    """
+    return x.div_(torch.full((), divisor, dtype=x.dtype, device=x.device))
+
+
 def slice_len(device: torch.device) -> int:
     """Elements per slice of a codec's pass over buffers on ``device``."""
     return SLICE_BY_DEVICE.get(device.type, SLICE_BY_DEVICE["cuda"])

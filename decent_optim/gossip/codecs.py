@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from decent_optim.gossip.codec_base import CHUNK, SLICE, Codec, slice_len
+from decent_optim.gossip.codec_base import CHUNK, SLICE, Codec, divide_, slice_len
 from decent_optim.gossip.sparse_codecs import Chunked, Quantized, RandomK, TopK  # noqa: F401
 from decent_optim.runtime import wire
 
@@ -135,7 +135,7 @@ class Int8(Codec):
             high, low = rows.amax(1), rows.amin(1)
             scale = scales[lo // CHUNK : lo // CHUNK + rows.shape[0]]
             torch.maximum(high, low.neg_(), out=high)
-            scale.copy_(high.div_(127))
+            scale.copy_(divide_(high, 127))
             # divide by the scale as stored (float32), so that |q| <= 127 up to its rounding
             inv = torch.reciprocal(scale.to(d.dtype)).nan_to_num_(posinf=0.0)
             rows.mul_(inv.unsqueeze(1)).round_().clamp_(-127, 127)

@@ -30,7 +30,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from decent_optim.gossip.codec_base import CHUNK, Codec, slice_len
+from decent_optim.gossip.codec_base import CHUNK, Codec, divide_, slice_len
 from decent_optim.runtime.wire import LEVELS, Spec
 
 __all__ = ["Chunked", "Quantized", "RandomK", "TopK"]
@@ -146,7 +146,7 @@ class Chunked(Codec):
                 assert scales is not None
                 level = LEVELS[spec.bits]
                 scale = scales[c0:c1]
-                scale.copy_(kept.abs().amax(1).div_(level))
+                scale.copy_(divide_(kept.abs().amax(1), level))
                 # divide by the scale as stored (float32), so that |q| <= L up to its rounding
                 inv = torch.reciprocal(scale.to(dtype)).nan_to_num_(posinf=0.0)
                 q = (kept * inv.unsqueeze(1)).round_().clamp_(-level, level)
