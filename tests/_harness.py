@@ -32,8 +32,8 @@ sleep would have to be long enough for a loaded machine in every run.
 
 Every task starts from the same process state: ``torch.manual_seed(0)`` (and ``random``/``numpy``), the
 environment, working directory, default dtype/device, grad mode and thread count of a fresh worker, and a
-``dist.barrier()`` so all ranks start together. Process groups the task created are destroyed after it, so a
-group handle cached at module level is dead in the next task. Not reset: other module-level state of imported
+``dist.barrier()`` so all ranks start together. Process groups the task created are destroyed after it (once
+every rank has returned), so a group handle cached at module level is dead in the next task. Not reset: other module-level state of imported
 modules (caches, globals, threads a task left running). ``print`` output of a task is replayed, prefixed with
 ``[rank r]``, into the calling test's captured stdout; output written by C++ (gloo) is not captured.
 
@@ -96,6 +96,9 @@ START_METHOD = "forkserver"
 PRELOAD = ["torch", "torch.distributed"]
 #: Tail of each rank's captured stdout/stderr kept in error messages.
 OUTPUT_TAIL_CHARS = 4000
+#: After a task that built process groups, how long a rank waits for its peers to return before it
+#: destroys them (a peer may still be connecting to a group this rank has finished building).
+TEARDOWN_WAIT_S = 10.0
 #: How long to wait for a silent rank to write its Python stacks (on SIGUSR1) before it is killed.
 STACK_DUMP_WAIT_S = 2.0
 #: How often :func:`wait_for_the_other_ranks` looks for the others' "returned" marks.
@@ -160,7 +163,9 @@ def _returned_mark(workdir: str, task: int, rank: int) -> str:
     return os.path.join(workdir, f"task{task}-rank{rank}.returned")
 
 
-def wait_for_the_other_ranks(ranks: list[int] | None = None, timeout: float = 60.0) -> bool:
+def wait_for_the_other_ranks(
+    ranks: list[int] | None = None, timeout: float = 60.0, poll: float = RETURNED_POLL_S
+) -> bool:
     """In a task: block until it has returned (or raised) on each of ``ranks`` (default: every other rank).
 
     For a rank that stays alive but silent while its peers wait for it until their timeout: it returns
@@ -178,7 +183,7 @@ def wait_for_the_other_ranks(ranks: list[int] | None = None, timeout: float = 60
     while not all(os.path.exists(mark) for mark in marks):
         if time.monotonic() > deadline:
             return False
-        time.sleep(RETURNED_POLL_S)
+        time.sleep(poll)
     return True
 
 
@@ -260,7 +265,7 @@ def _run_task(rank: int, world_size: int, message: bytes, state: _ProcessState) 
         with redirect_stdout(output), redirect_stderr(output), warnings.catch_warnings(), recorder:
             state.restore()
             # fn's module may live in a directory the parent put on sys.path after this worker started.
-            parent_path, _TASK["task"], task = pickle.loads(message)
+            parent_path, _TASK["task"], killed, task = pickle.loads(message)
             sys.path.extend(p for p in parent_path if p not in sys.path)
             fn, args = pickle.loads(task)
             dist.barrier()
@@ -279,6 +284,12 @@ def _run_task(rank: int, world_size: int, message: bytes, state: _ProcessState) 
     except BaseException:  # SystemExit and KeyboardInterrupt in a task are reported too
         kind, payload = "error", traceback.format_exc()
     healthy = dist.is_initialized()
+    if healthy and recorder.created and kind == "ok":
+        # A rank that has built a gloo group may return while a peer is still connecting to it;
+        # destroying it then closes the peer's socket mid-connect ("connection closed by peer").
+        # (After a failure the pool is discarded: no wait that would delay the traceback.)
+        others = [r for r in range(world_size) if r != rank and r not in killed]
+        wait_for_the_other_ranks(others, timeout=TEARDOWN_WAIT_S, poll=0.002)
     if healthy:
         # Subgroups outlive the task otherwise: each holds gloo threads and sockets, ~100 tests add up.
         # Every rank destroys the same groups, and destroying a subgroup is local, so ranks stay in step.
@@ -441,7 +452,7 @@ class _Pool:
         that died of SIGKILL gives None.
         """
         self._tasks += 1
-        message = pickle.dumps((list(sys.path), self._tasks, task))
+        message = pickle.dumps((list(sys.path), self._tasks, sorted(killed), task))
         deadline = time.monotonic() + timeout
         for conn in self._conns:
             try:
