@@ -68,6 +68,7 @@ def worker(args) -> None:
                           lr_factor=lr_factor, H=hs[rank])  # fmt: skip
     built = methods.REGISTRY[m["kind"]].build(m, ctx)
     net, opt, peak = built.net, built.opt, built.peak
+    params = list(model.parameters())  # sharded by decent's :node
 
     @torch.no_grad()
     def evaluate() -> float:

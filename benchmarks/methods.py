@@ -6,7 +6,8 @@ other part is a flag (``outer``) or a letter prefix and a number (``H4``, ``x1.5
 that the entry must list. ``parse`` gives the method as a dict (every key, its default where the
 spec leaves it out), ``Entry.build`` its model wrapper and optimizer for the worker loop
 (``_worker.py``), ``Entry.wire`` its bytes sent per step, ``local_steps`` each rank's H
-(``:hetero``: from its speed). Peak rates: ``--lr`` for DDP, DiLoCo, the streaming peers and
+(``:hetero``: from its speed). ``decent:...:node`` shards each node's one replica over its ranks
+(FSDP2) and gossips across nodes. Peak rates: ``--lr`` for DDP, DiLoCo, the streaming peers and
 ``decent`` with an outer step; ``--lr`` x ``--decent-lr-factor`` for gossip, Decent-DP and
 ``diloco:...:avg``; ``:x<f>`` sets it to ``--lr`` x f. Adding a peer is adding one entry (and
 its part names to ``PARTS`` if new).
@@ -27,6 +28,7 @@ DEFAULTS: dict[str, Any] = {
     "topology": None, "compression": None, "H": 1, "outer": False, "avg": False,
     "uneven": False, "fixed": False, "cap": None, "slow": None, "x": None, "olr": None,
     "om": None, "F": 1, "tau": 0, "alpha": 0.0, "bits": None, "gamma": None, "hetero": False,
+    "node": False,
 }  # fmt: skip
 # a part's letters -> (key, value type); a flag (no number) has type bool
 PARTS: dict[str, tuple[str, type]] = {
@@ -34,7 +36,7 @@ PARTS: dict[str, tuple[str, type]] = {
     "g": ("gamma", float), "cap": ("cap", float), "slow": ("slow", int), "F": ("F", int),
     "tau": ("tau", int), "alpha": ("alpha", float), "q": ("bits", int), "outer": ("outer", bool),
     "avg": ("avg", bool), "uneven": ("uneven", bool), "fixed": ("fixed", bool),
-    "hetero": ("hetero", bool),
+    "hetero": ("hetero", bool), "node": ("node", bool),
 }  # fmt: skip
 PART = re.compile(r"([A-Za-z]+?)(\d[\d.e+-]*)?")
 
@@ -163,12 +165,36 @@ def _decent(m: dict, ctx) -> Built:
     if m["uneven"]:
         cap = {} if m["cap"] is None else {"cap": m["cap"]}  # else Uneven's default
         uneven = dopt.Uneven(adaptive=not m["fixed"], **cap)
+    groups, gossip = ctx.groups, dict(local_world_size=ctx.args.local_world_size or None)
+    if m["node"]:
+        groups, gossip = _shard_in_the_node(ctx)
     opt = dopt.DecentralizedAdamW(
-        ctx.groups, lr=peak, betas=ctx.betas, topology=m["topology"], compression=_codec(m),
-        local_steps=m["H"], outer=outer, uneven=uneven,
-        local_world_size=ctx.args.local_world_size or None,
+        groups, lr=peak, betas=ctx.betas, topology=m["topology"], compression=_codec(m),
+        local_steps=m["H"], outer=outer, uneven=uneven, **gossip,
     )  # fmt: skip
     return Built(ctx.model, opt, peak, lambda: opt.averaged(ctx.model))
+
+
+def _shard_in_the_node(ctx) -> tuple[list[dict], dict]:
+    """``:node``: each node's ranks share one replica, sharded with FSDP2 (a gradient step on the
+    node's batch), and the replicas gossip across nodes (docs/large_models.rst). Returns the
+    sharded parameters' groups and the optimizer's gossip arguments."""
+    import _peers
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    per_node, n = ctx.args.local_world_size or 1, dist.get_world_size()
+    if per_node < 2 or n % per_node:
+        raise SystemExit(f":node needs --local-world-size >= 2 dividing {n} ranks")
+    mesh = init_device_mesh("cpu", (n // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+    for layer in _peers.layer_modules(ctx.model):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(ctx.model, mesh=mesh["shard"])
+    params = list(ctx.model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    return groups, dict(process_group=mesh["replicate"], local_world_size=1)
 
 
 def _diloco(m: dict, ctx) -> Built:
@@ -245,7 +271,9 @@ TUNE = ("x", "olr", "om")
 STREAM = ("H", "F", "tau", "alpha", "q", *TUNE)
 REGISTRY: dict[str, Entry] = {
     "ddp": Entry(_ddp),
-    "decent": Entry(_decent, ("H", "outer", "uneven", "fixed", "cap", "slow", "g", *TUNE), True),
+    "decent": Entry(
+        _decent, ("H", "outer", "uneven", "fixed", "cap", "slow", "g", "node", *TUNE), True
+    ),
     "decentdp": Entry(_decentdp, (), True, _decentdp_missing),
     "diloco": Entry(_diloco, ("H", "avg", "hetero", *TUNE)),
     "sdiloco": Entry(_streaming, STREAM),

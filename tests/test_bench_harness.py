@@ -31,6 +31,8 @@ def test_a_spec_parses_to_its_parts() -> None:
     s = methods.parse("sdiloco:H8:F2:tau1:alpha0.5:q4")
     assert (s["H"], s["F"], s["tau"], s["alpha"], s["bits"]) == (8, 2, 1, 0.5, 4)
     assert methods.parse("diloco:H4:avg")["avg"] and methods.parse("ddp")["H"] == 1
+    assert methods.parse("decent:one-peer-exp+int8:x3:node")["node"]
+    assert not methods.parse("decent:one-peer-exp")["node"]
 
 
 @pytest.mark.parametrize(
@@ -42,6 +44,7 @@ def test_a_spec_parses_to_its_parts() -> None:
         ("decent:ring:Hx", "unknown part 'Hx'"),
         ("diloco:H4:uneven", "unknown part 'uneven' (parts of diloco: H, avg, hetero, x, olr, om)"),
         ("sdiloco:H4:hetero", "unknown part 'hetero'"),  # ours streaming: one H for all
+        ("diloco:H4:node", "unknown part 'node'"),  # only gossip shards a replica per node
         ("ddp:H2", "unknown part 'H2' (parts of ddp: none)"),
         ("sdiloco:H4:q2", "the exchange is q4 or q8"),
         ("decent:ring:H2:fixed", "fixed/cap<c> need :uneven"),

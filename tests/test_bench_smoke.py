@@ -93,6 +93,17 @@ def test_every_method_of_ours_and_the_peers_leaves_a_finite_curve(tmp_path: Path
 
 
 @pytest.mark.multiprocess
+def test_node_shards_a_replica_per_node_and_sends_half_a_copy_a_rank(tmp_path: Path) -> None:
+    # 2 nodes x 2: with :node each rank gossips its half of its node's replica with the other
+    # node; without it, every rank its whole model (one-peer-exp over 4 ranks, 2 per node)
+    methods = ["ddp", "decent:one-peer-exp:node", "decent:one-peer-exp"]
+    meta = _harness(tmp_path, methods, "--nproc", "4", "--local-world-size", "2")
+    _check_curves(meta, methods)
+    node, plain = (row["bytes_per_step"] for row in meta["rows"][1:])
+    assert 0 < node < plain
+
+
+@pytest.mark.multiprocess
 def test_a_timing_run_times_the_steps_after_the_first_period(tmp_path: Path) -> None:
     methods = ["ddp", "diloco:H2", "decent:ring:H3"]
     meta = _harness(tmp_path, methods, "--timing-steps", "6", "--device-ms", "20")
