@@ -167,34 +167,14 @@ def _decent(m: dict, ctx) -> Built:
         uneven = dopt.Uneven(adaptive=not m["fixed"], **cap)
     groups, gossip = ctx.groups, dict(local_world_size=ctx.args.local_world_size or None)
     if m["node"]:
-        groups, gossip = _shard_in_the_node(ctx)
+        from _sharded import shard_in_the_node
+
+        groups, gossip = shard_in_the_node(ctx.model, ctx.args.local_world_size)
     opt = dopt.DecentralizedAdamW(
         groups, lr=peak, betas=ctx.betas, topology=m["topology"], compression=_codec(m),
         local_steps=m["H"], outer=outer, uneven=uneven, **gossip,
     )  # fmt: skip
     return Built(ctx.model, opt, peak, lambda: opt.averaged(ctx.model))
-
-
-def _shard_in_the_node(ctx) -> tuple[list[dict], dict]:
-    """``:node``: each node's ranks share one replica, sharded with FSDP2 (a gradient step on the
-    node's batch), and the replicas gossip across nodes (docs/large_models.rst). Returns the
-    sharded parameters' groups and the optimizer's gossip arguments."""
-    import _peers
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    per_node, n = ctx.args.local_world_size or 1, dist.get_world_size()
-    if per_node < 2 or n % per_node:
-        raise SystemExit(f":node needs --local-world-size >= 2 dividing {n} ranks")
-    mesh = init_device_mesh("cpu", (n // per_node, per_node), mesh_dim_names=("replicate", "shard"))
-    for layer in _peers.layer_modules(ctx.model):
-        fully_shard(layer, mesh=mesh["shard"])
-    fully_shard(ctx.model, mesh=mesh["shard"])
-    params = list(ctx.model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
-    return groups, dict(process_group=mesh["replicate"], local_world_size=1)
 
 
 def _diloco(m: dict, ctx) -> Built:

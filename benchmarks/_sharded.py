@@ -1,0 +1,32 @@
+"""``decent:...:node``: one replica per node, sharded over the node's ranks with FSDP2.
+
+Each node's ranks take a gradient step on the node's batch together (FSDP2 all-gathers the
+layers and reduce-scatters the gradients inside the node) and hold one copy of the model between
+them; the replicas gossip across nodes, each rank its shard (docs/large_models.rst). With ``k``
+ranks a node, a rank's step averages ``k`` times the sequences and sends ``1/k`` of a copy.
+"""
+
+from __future__ import annotations
+
+import _peers
+import torch.distributed as dist
+from torch import nn
+
+
+def shard_in_the_node(model: nn.Module, per_node: int | None) -> tuple[list[dict], dict]:
+    """Shard ``model`` (in place) over the ranks of this rank's node; returns the parameter
+    groups of the sharded parameters and the optimizer's gossip arguments."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    per_node, n = per_node or 1, dist.get_world_size()
+    if per_node < 2 or n % per_node:
+        raise SystemExit(f":node needs --local-world-size >= 2 dividing {n} ranks")
+    mesh = init_device_mesh("cpu", (n // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+    for layer in _peers.layer_modules(model):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    return groups, dict(process_group=mesh["replicate"], local_world_size=1)
