@@ -8,18 +8,22 @@ ranks a node, a rank's step averages ``k`` times the sequences and sends ``1/k``
 
 from __future__ import annotations
 
+import os
+
 import _peers
 import torch.distributed as dist
 from torch import nn
 
 
 def shard_in_the_node(model: nn.Module, per_node: int | None) -> tuple[list[dict], dict]:
-    """Shard ``model`` (in place) over the ranks of this rank's node; returns the parameter
-    groups of the sharded parameters and the optimizer's gossip arguments."""
+    """Shard ``model`` (in place) over the ``per_node`` ranks of this rank's node (default:
+    torchrun's ``LOCAL_WORLD_SIZE``); returns the parameter groups of the sharded parameters
+    and the optimizer's gossip arguments."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    per_node, n = per_node or 1, dist.get_world_size()
+    per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's, per node
+    n = dist.get_world_size()
     if per_node < 2 or n % per_node:
         raise SystemExit(f":node needs --local-world-size >= 2 dividing {n} ranks")
     mesh = init_device_mesh("cpu", (n // per_node, per_node), mesh_dim_names=("replicate", "shard"))
