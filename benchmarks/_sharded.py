@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 
-def shard_in_the_node(model: nn.Module, per_node: int | None) -> tuple[list[dict], dict]:
+def shard_in_the_node(model: nn.Module, per_node: int | None) -> dict:
     """Shard ``model`` (in place) over the ``per_node`` ranks of this rank's node (default:
-    torchrun's ``LOCAL_WORLD_SIZE``); returns the parameter groups of the sharded parameters
-    and the optimizer's gossip arguments."""
+    torchrun's ``LOCAL_WORLD_SIZE``); returns the optimizer's gossip arguments (the model's
+    parameters are then the shards)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -30,7 +30,4 @@ def shard_in_the_node(model: nn.Module, per_node: int | None) -> tuple[list[dict
     for layer in _peers.layer_modules(model):
         fully_shard(layer, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
-    return groups, dict(process_group=mesh["replicate"], local_world_size=1)
+    return dict(process_group=mesh["replicate"], local_world_size=1)

@@ -59,11 +59,14 @@ def worker(args) -> None:
     torch.manual_seed(args.seed)
     model = work.make_model()
     params = list(model.parameters())
-    decay = [p for p in params if p.dim() >= 2]
-    groups = [{"params": decay, "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+
+    def groups_of(params: list) -> list[dict]:  # weight decay on matrices only
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+
     hs = methods.local_steps(m, args.speeds, n)  # each rank's H (:hetero: from its speed)
-    ctx = SimpleNamespace(args=args, model=model, params=params, groups=groups,
+    ctx = SimpleNamespace(args=args, model=model, params=params, groups=groups_of(params),
+                          groups_of=groups_of,
                           betas=(0.9, 0.95), decent_lr=args.lr * args.decent_lr_factor,
                           lr_factor=lr_factor, H=hs[rank])  # fmt: skip
     built = methods.REGISTRY[m["kind"]].build(m, ctx)

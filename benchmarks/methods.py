@@ -169,7 +169,8 @@ def _decent(m: dict, ctx) -> Built:
     if m["node"]:
         from _sharded import shard_in_the_node
 
-        groups, gossip = shard_in_the_node(ctx.model, ctx.args.local_world_size)
+        gossip = shard_in_the_node(ctx.model, ctx.args.local_world_size)
+        groups = ctx.groups_of(list(ctx.model.parameters()))  # the sharded parameters
     opt = dopt.DecentralizedAdamW(
         groups, lr=peak, betas=ctx.betas, topology=m["topology"], compression=_codec(m),
         local_steps=m["H"], outer=outer, uneven=uneven, **gossip,
