@@ -210,7 +210,7 @@ def worker(args) -> None:
             "bytes_per_step_after_first_eval": _bytes_after_first(rows),
             "curve": rows,
         }
-        if timing:  # its seconds per step: report.write_run, from the two clock readings
+        if timing:  # its seconds per step: _record.write_run, from the two clock readings
             out["kind"] = "timing"
         Path(args.part).write_text(json.dumps(out))
     dist.barrier()  # the part is written (a next method in the same launch reads the target)

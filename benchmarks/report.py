@@ -24,13 +24,9 @@ must train alike (``ALIKE``); ``:uneven`` and ``:hetero`` are refused.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import os
-import sys
 from pathlib import Path
 
-import _devices
 import methods
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -200,7 +196,7 @@ def _alike(meta: dict) -> dict:
             "ranks": row["world_size"]}  # fmt: skip
 
 
-def _s_per_step(row: dict, upto: int) -> float:
+def s_per_step(row: dict, upto: int) -> float:
     """Seconds per step from the first clock reading past the first period to ``upto`` (0: last)."""
     c, first = row["curve"], methods.period(row["method"])
     c0 = next((x for x in c[:-1] if x["step"] >= first), {"step": 0, "train_s": 0.0})
@@ -226,10 +222,18 @@ def _pooled(tags: str, results: Path) -> dict:
     return {**metas[0], "tag": tags, "rows": ddp_first}
 
 
-def compose(quality: dict, timing: dict, upto: int = 0) -> tuple[dict, list[str]]:
-    """Q's rows at T's seconds per step, and the table's lines (measured: T's time, if a full run)."""
+# what a step-locked method's steps to a loss (the quality side) or its seconds per step (the
+# timing side) do not depend on, so a pair may differ in it when the user says so
+MAY_DIFFER = ("--device-ms", "--seed")
+
+
+def compose(
+    quality: dict, timing: dict, upto: int = 0, may_differ: tuple = ()
+) -> tuple[dict, list[str]]:
+    """Q's rows at T's seconds per step, and the table's lines (measured: T's time, if a full run).
+    ``may_differ``: flags of ``MAY_DIFFER`` the pair need not share."""
     alike, other = _alike(quality), _alike(timing)
-    for flag in (f for f in alike if alike[f] != other[f]):
+    for flag in (f for f in alike if alike[f] != other[f] and f not in may_differ):
         raise SystemExit(f"--compose {quality['tag']} {timing['tag']}: {flag} differs ("
                          f"{alike[flag]} vs {other[flag]}): both runs must train the same "
                          "workload, schedule, global batch and seed on as many ranks")  # fmt: skip
@@ -243,7 +247,7 @@ def compose(quality: dict, timing: dict, upto: int = 0) -> tuple[dict, list[str]
         if unlocked or method not in q or method not in t or "ddp" not in q:
             notes.append(f"* {method}: {why}")
             continue
-        sps, row = _s_per_step(t[method], upto), q[method]
+        sps, row = s_per_step(t[method], upto), q[method]
         rows[method] = row = {**row, "target": q["ddp"]["final_loss"], "train_s": row["steps"] * sps,
                               "curve": [{**c, "train_s": c["step"] * sps} for c in row["curve"]]}  # fmt: skip
         took = time_to(row, None)
@@ -254,41 +258,6 @@ def compose(quality: dict, timing: dict, upto: int = 0) -> tuple[dict, list[str]
         cells += [f"{full:.1f} s" if full else "-", err]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return rows, lines + [""] * bool(notes) + notes
-
-
-def write_run(args, nnodes: int, rows: list[dict], notes: list[str], regime: str) -> None:
-    """One run's results (the runner's): ``ttq_<tag>.csv`` (the curves), ``.md`` (its table:
-    each method against DDP) and ``.json`` (everything, with the run's link, shape, hardware)."""
-    out, load, timing = Path(args.out), os.getloadavg(), getattr(args, "timing_steps", 0)
-    with open(out / f"ttq_{args.tag}.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["tag", "method", "step", "train_s", "val_loss"])
-        for r in rows:
-            for c in r["curve"] if not timing else ():
-                w.writerow([args.tag, r["method"], c["step"], f"{c['train_s']:.3f}",
-                            f"{c['val_loss']:.6f}"])  # fmt: skip
-    if timing:  # seconds per step after the first period (its start-up)
-        for r in rows:
-            r.update(timed_from=r["curve"][0]["step"], s_per_step=_s_per_step(r, 0))
-    hardware = args.hardware[0] if args.hardware else None
-    meta = {"kind": "timing" if timing else "full", "tag": args.tag, "argv": sys.argv[1:],
-            "loadavg": load, "link": args.link or "local", "shape": f"{nnodes}x{args.nproc}",
-            "hardware": hardware, "seed": args.seed, "rows": rows, "notes": notes}  # fmt: skip
-    (out / f"ttq_{args.tag}.json").write_text(json.dumps(meta, indent=2))
-    groups: dict = {}
-    _add(groups, meta)
-    key, group = next(iter(groups.items()))
-    said = "a timing run (no evaluation)" if timing else (f"eval every {args.eval_every} steps "
-            f"(excluded), target = DDP's final held-out loss {rows[0]['final_loss']:.4f}")  # fmt: skip
-    text = "\n".join([
-        f"`{args.tag}`: {nnodes} node(s) x {args.nproc} ranks, gloo, {args.workload} workload, "
-        f"global batch {args.global_batch}, DDP schedule {args.steps} steps (warm-up "
-        f"{args.warmup}), {said}; {_devices.describe(args)}{regime}", "",
-        *([f"* {r['method']}: {r['s_per_step']:.4f} s / step (steps {r['timed_from']} to "
-           f"{r['steps']})" for r in rows] if timing else [table(key, group, "ddp")]),
-        "", *[f"* {n}" for n in notes]])  # fmt: skip
-    (out / f"ttq_{args.tag}.md").write_text(text + "\n")
-    print(text, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -303,15 +272,21 @@ def main(argv: list[str] | None = None) -> None:
                    "a side may pool runs: TAG+TAG")  # fmt: skip
     p.add_argument("--timing-window", type=int, default=0, help="--compose with a full run as "
                    "the timing: its s / step up to this step, as a timing run's (0: to its end)")  # fmt: skip
+    p.add_argument("--may-differ", default="", help="--compose: flags the pairs need not share, "
+                   "comma-separated: --device-ms (steps to a loss do not depend on it), --seed "
+                   "(a step-locked method's s / step does not)")  # fmt: skip
     args = p.parse_args(argv)
     losses, groups = [float(x) for x in args.losses.split(",") if x], {}
+    may_differ = tuple("--" + x.lstrip("-") for x in args.may_differ.split(",") if x)
+    if bad := [x for x in may_differ if x not in MAY_DIFFER]:
+        raise SystemExit(f"--may-differ {','.join(bad)}: only {', '.join(MAY_DIFFER)} may differ")
     if args.compose and len(args.tags) % 2:
         raise SystemExit("--compose takes pairs of tags: QUALITY TIMING [QUALITY TIMING ...]")
     if args.compose:
         for qt, tt in zip(args.tags[::2], args.tags[1::2]):
             metas = [_pooled(x, Path(args.results)) for x in (qt, tt)]
-            rows, lines = compose(*metas, args.timing_window)
-            link, shape, seed, hw = describe(metas[1])
+            rows, lines = compose(*metas, args.timing_window, may_differ)
+            (link, shape, _, hw), seed = describe(metas[1]), describe(metas[0])[2]  # Q's steps
             group = groups[(f"{link}-composed", shape, seed)] = {hw: {"rows": rows, "load": [0.0]}}
             print(f"composed: steps from {qt} x seconds per step from {tt}\n", *lines, sep="\n")
             print(*["", at_losses(group, losses, None)] if losses else [], sep="\n")

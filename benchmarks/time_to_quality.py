@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _devices  # noqa: E402
+import _record  # noqa: E402
 import _text  # noqa: E402
 import methods  # noqa: E402
 import report  # noqa: E402
@@ -175,7 +176,7 @@ def launch(args, rest: list[str]) -> None:
         if args.regime:
             rate = _devices.regime_rate(_parameters(args), args.device_ms, args.regime[0])
             regime = f"; regime R = {args.regime[0]:g} (link {rate} per node)"
-        report.write_run(args, nnodes, rows, notes, regime)
+        _record.write_run(args, nnodes, rows, notes, regime)
         shutil.rmtree(parts, ignore_errors=True)
 
 

@@ -370,6 +370,29 @@ def test_compose_refuses_runs_that_train_differently(composed: Path, argv, says)
     assert says in str(caught.value) and "must train the same workload" in str(caught.value)
 
 
+@pytest.mark.parametrize("flag", ["device-ms", "--device-ms"])
+def test_compose_pairs_runs_of_another_device_time_or_seed_when_told(
+    composed: Path, capsys, flag: str
+) -> None:
+    # the quality run at 500 ms a step, the timing run at 2000 and seed 1: the steps to a loss
+    # do not depend on the device time, nor a step-locked method's seconds per step on the seed
+    meta = json.loads((composed / "ttq_t.json").read_text())
+    argv = dict(zip(ALIKE[::2], ALIKE[1::2]), **{"--device-ms": "2000", "--seed": "1"})
+    (composed / "ttq_t3.json").write_text(
+        json.dumps({**meta, "seed": 1, "argv": [a for pair in argv.items() for a in pair]})
+    )
+    with pytest.raises(SystemExit, match="--device-ms differs"):
+        report.main(["--compose", "q", "t3", "--results", str(composed), "--may-differ", "seed"])
+    report.main(["--compose", "q", "t3", "--results", str(composed), f"--may-differ={flag},seed",
+                 "--plot", str(composed)])  # fmt: skip
+    rows = _composed(capsys.readouterr().out)
+    assert rows["ddp"][:3] == ["100", "0.4000", "40.0 s"]
+    assert rows["diloco:H4"][:3] == ["75", "0.1000", "7.5 s"]
+    assert (composed / "ttq_R3-composed_2x2.png").exists()  # labelled by the quality run's seed
+    with pytest.raises(SystemExit, match="--may-differ --steps: only --device-ms, --seed may"):
+        report.main(["--compose", "q", "t3", "--results", str(composed), "--may-differ", "steps"])
+
+
 def test_a_side_of_compose_may_pool_runs_that_train_alike(composed: Path, capsys) -> None:
     # DDP timed in a run of its own (its step is long), diloco in another: one table
     meta = json.loads((composed / "ttq_t.json").read_text())
