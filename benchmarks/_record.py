@@ -15,8 +15,7 @@ import report
 
 
 def write_run(args, nnodes: int, rows: list[dict], notes: list[str], regime: str) -> None:
-    """One run's results (the runner's): ``ttq_<tag>.csv`` (the curves), ``.md`` (its table:
-    each method against DDP) and ``.json`` (everything, with the run's link, shape, hardware)."""
+    """Write the run's three files (above) into ``args.out`` and print its table."""
     out, load, timing = Path(args.out), os.getloadavg(), getattr(args, "timing_steps", 0)
     with open(out / f"ttq_{args.tag}.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -34,7 +33,7 @@ def write_run(args, nnodes: int, rows: list[dict], notes: list[str], regime: str
             "hardware": hardware, "seed": args.seed, "rows": rows, "notes": notes}  # fmt: skip
     (out / f"ttq_{args.tag}.json").write_text(json.dumps(meta, indent=2))
     groups: dict = {}
-    report._add(groups, meta)
+    report.add_run(groups, meta)
     key, group = next(iter(groups.items()))
     said = "a timing run (no evaluation)" if timing else (f"eval every {args.eval_every} steps "
             f"(excluded), target = DDP's final held-out loss {rows[0]['final_loss']:.4f}")  # fmt: skip

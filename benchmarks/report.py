@@ -18,7 +18,8 @@ over the evaluations :math:`(s_k, \\ell_k)` (seconds, held-out loss); ``...:fixe
 with its even run without the suffix. ``--plot DIR``: held-out loss against wall-clock,
 ``DIR/ttq_<link>_<shape>.png``, a panel per hardware and seed. ``--compose Q T [Q T ...]``, for
 step-locked methods: the time to a loss = Q's steps to it x T's seconds per step; the two runs
-must train alike (``ALIKE``); ``:uneven`` and ``:hetero`` are refused.
+must train alike (``ALIKE``) but in what ``--may-differ`` names (``MAY_DIFFER``); ``:uneven`` and
+``:hetero`` are refused.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def describe(meta: dict) -> tuple[str, str, int, str]:
     return link, shape, seed, hardware
 
 
-def _add(groups: dict, meta: dict) -> None:
+def add_run(groups: dict, meta: dict) -> None:
     """One run into ``groups``; a method already there on the same hardware stays."""
     link, shape, seed, hw = describe(meta)
     run = groups.setdefault((link, shape, seed), {}).setdefault(hw, {"rows": {}, "load": meta["loadavg"]})  # fmt: skip
@@ -74,7 +75,7 @@ def load(tags: list[str], results: Path = RESULTS) -> dict:
     """{(link, shape, seed): {hardware: {"rows": {method: row}, "load": loadavg}}}."""
     groups: dict = {}
     for path in (p for tag in tags for p in _paths(tag, results)):
-        _add(groups, json.loads(path.read_text()))
+        add_run(groups, json.loads(path.read_text()))
     order = {h: i for i, h in enumerate(HARDWARE)}
     return {k: dict(sorted(v.items(), key=lambda kv: order.get(kv[0], 9))) for k, v in groups.items()}  # fmt: skip
 

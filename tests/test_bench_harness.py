@@ -388,7 +388,7 @@ def test_compose_pairs_runs_of_another_device_time_or_seed_when_told(
     rows = _composed(capsys.readouterr().out)
     assert rows["ddp"][:3] == ["100", "0.4000", "40.0 s"]
     assert rows["diloco:H4"][:3] == ["75", "0.1000", "7.5 s"]
-    assert (composed / "ttq_R3-composed_2x2.png").exists()  # labelled by the quality run's seed
+    assert (composed / "ttq_R3-composed_2x2.png").exists()  # and plotted
     with pytest.raises(SystemExit, match="--may-differ --steps: only --device-ms, --seed may"):
         report.main(["--compose", "q", "t3", "--results", str(composed), "--may-differ", "steps"])
 
