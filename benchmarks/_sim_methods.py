@@ -1,0 +1,275 @@
+r"""What each simulated method does with the stacked rows between gradients (``_sim.py``).
+
+A method is a spec string like the harness's (``methods.py``): ``ddp``,
+``diloco:H16:x1.5:olr0.5:om0.7`` or ``decent:<topology>[+<codec>][:<part>]...``. The decent
+parts (``x<f>`` the peak rate as a multiple of DDP's; the others as ``name<number>`` or
+``name=<value>``):
+
+* the update rule: AdamW (default, torch.optim.AdamW's arithmetic per row) or ``accum<s>``
+  (AccumAdamW: the moment bases refreshed every ``s`` steps from the window's mean gradient);
+  ``beta1=``, ``beta2=`` (default 0.9, 0.95, the harness's).
+* what the round carries besides the parameters: ``gmix`` also the gradient of the step before,
+  so the rule sees :math:`w_{ii} g_i(t) + \sum_{j \ne i} w_{ij} g_j(t-1)` (twice the bytes);
+  ``mmix`` Adam's first moment, mixed like the parameters.
+* consensus control: ``pga<H>`` makes every ``H``-th round a global average (the exact mean,
+  launched like a round and applied one step later); ``pgaw<K>`` only for the first ``K``
+  steps, then every ``pgal<H>``-th (dense early, rare late).
+
+A round is the package's (``decent_optim.gossip``): step ``t`` mixes the rows as they were at its
+start with round ``t``'s groups, then the rule updates the mixed rows with the gradients taken at
+the unmixed ones. With a codec, a group that spans nodes averages each node's part exactly and
+gossips the parts' means through public copies with error feedback (CHOCO, the package's
+``compressed.py``; the codec object is the package's), the first round of a group exact.
+Topologies are the package's by name, plus ``base<k+1>`` (``n`` a power of ``k + 1``: round
+``r`` averages the ``k + 1`` workers that differ only in digit ``r`` of their rank in base
+``k + 1``, the exact mean after ``log_(k+1) n`` rounds; Takezawa et al., arXiv 2305.11420).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+
+PART = re.compile(r"([A-Za-z]+\d?)=([\d.e+-]+)|([A-Za-z]+?)([\d.e+-]+)?")
+
+
+def parse(spec: str) -> dict:
+    """``spec`` as a dict (``kind`` and every part, a flag as True); SystemExit when malformed."""
+    kind, *parts = spec.split(":")
+    out: dict = {"kind": kind, "spec": spec}
+    if kind == "decent":
+        if not parts:
+            raise SystemExit(f"{spec!r}: decent needs a topology (decent:ring)")
+        out["topology"], _, codec = parts.pop(0).partition("+")
+        out["codec"] = codec or None
+    elif kind not in ("ddp", "diloco"):
+        raise SystemExit(f"{spec!r}: the kinds are ddp, decent, diloco")
+    for p in parts:
+        m = PART.fullmatch(p)
+        if m is None:
+            raise SystemExit(f"{spec!r}: bad part {p!r}")
+        name, value = (m[1], m[2]) if m[1] else (m[3], m[4])
+        out[name] = True if value is None else float(value)
+    return out
+
+
+class AdamW:
+    """torch.optim.AdamW's step on every row; ``decay`` masks weight decay per element."""
+
+    def __init__(self, x: torch.Tensor, decay: torch.Tensor, betas, wd: float = 0.1) -> None:
+        self.m, self.v = torch.zeros_like(x), torch.zeros_like(x)
+        self.betas, self.wd, self.decay, self.t = betas, wd, decay, 0
+
+    def step(self, x: torch.Tensor, g: torch.Tensor, lr: float) -> None:
+        b1, b2 = self.betas
+        self.t += 1
+        self.m.lerp_(g, 1 - b1)
+        self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        bc1, bc2 = 1 - b1**self.t, 1 - b2**self.t
+        x.mul_(1 - lr * self.wd * self.decay)
+        denom = (self.v.sqrt() / bc2**0.5).add_(1e-8)
+        x.addcdiv_(self.m, denom, value=-lr / bc1)
+
+
+class AccumAdamW(AdamW):
+    """AccumAdamW (the paper's AccumAdam, decoupled decay): ``m, v`` are the bases."""
+
+    def __init__(self, x, decay, betas, s: int, wd: float = 0.1) -> None:
+        super().__init__(x, decay, betas, wd)
+        self.s, self.acc = s, torch.zeros_like(x)
+
+    def step(self, x: torch.Tensor, g: torch.Tensor, lr: float) -> None:
+        b1, b2 = self.betas
+        self.t += 1
+        k = -(-self.t // self.s)
+        m = self.m * b1 + g * (1 - b1)
+        v = (self.v * b2).addcmul_(g, g, value=1 - b2)
+        bc1, bc2 = 1 - b1**k, 1 - b2**k
+        x.mul_(1 - lr * self.wd * self.decay)
+        x.addcdiv_(m, (v.sqrt() / bc2**0.5).add_(1e-8), value=-lr / bc1)
+        self.acc.add_(g, alpha=1 / self.s)
+        if self.t % self.s == 0:
+            self.m.lerp_(self.acc, 1 - b1)
+            self.v.mul_(b2).addcmul_(self.acc, self.acc, value=1 - b2)
+            self.acc.zero_()
+
+
+Groups = list[tuple[int, ...]]
+
+
+def base_groups(n: int, base: int) -> Callable[[int], Groups]:
+    """``base<k+1>``'s rounds: round ``r`` groups the ranks equal but for digit ``r mod m``."""
+    m, size = 0, 1
+    while size < n:
+        size, m = size * base, m + 1
+    if size != n:
+        raise SystemExit(f"base{base} needs the workers ({n}) to be a power of {base}")
+
+    def groups(r: int) -> Groups:
+        place = base ** (r % m)
+        heads = [i for i in range(n) if (i // place) % base == 0]
+        return [tuple(h + d * place for d in range(base)) for h in heads]
+
+    return groups
+
+
+def topology_groups(name: str, n: int, lws: int) -> Callable[[int], Groups]:
+    if name.startswith("base"):
+        return base_groups(n, int(name[4:]))
+    from decent_optim.topologies import get
+
+    topo = get(name, n, lws)
+
+    def groups(r: int) -> Groups:
+        g = topo.groups(r)
+        if g is None:
+            raise SystemExit(f"{name}: a round with weights that are no partition into groups")
+        return g
+
+    return groups
+
+
+class Gossip:
+    """One round of the package's gossip on stacked rows, exact or through a codec."""
+
+    def __init__(
+        self, groups: Callable[[int], Groups], lws: int, codec: str | None,
+        buckets: list[torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
+        self.groups, self.lws = groups, lws
+        # a codec's scales are per chunk of a bucket: the elements in the package's bucket order
+        self.order = None if buckets is None else torch.cat(buckets)
+        self.bounds = [0]
+        for b in buckets or []:
+            self.bounds.append(self.bounds[-1] + len(b))
+        self.codec = None
+        if codec:
+            from decent_optim.gossip import codecs
+
+            self.codec = codecs.get(codec)
+        self.copies: dict[tuple[int, ...], torch.Tensor] = {}  # per group: (parts, P)
+
+    def mix_(self, x: torch.Tensor, r: int, extra: list[torch.Tensor] = ()) -> None:
+        """Round ``r`` on ``x`` in place; ``extra`` rows (moments) are mixed exactly alike."""
+        for g in self.groups(r):
+            if len(g) == 1:
+                continue
+            idx = list(g)
+            for t in extra:
+                t[idx] = t[idx].mean(0, keepdim=True)
+            parts = self._parts(g)
+            if self.codec is None or len(parts) == 1:
+                x[idx] = x[idx].mean(0, keepdim=True)
+            else:
+                self._compressed_(x, g, parts)
+
+    def _parts(self, g: tuple[int, ...]) -> list[list[int]]:
+        by_node: dict[int, list[int]] = {}
+        for i in g:
+            by_node.setdefault(i // self.lws, []).append(i)
+        return list(by_node.values())
+
+    def _compressed_(self, x: torch.Tensor, g, parts: list[list[int]]) -> None:
+        assert self.codec is not None
+        means = torch.stack([x[p].mean(0) for p in parts])
+        if self.order is not None:
+            means = means[:, self.order]
+        bounds = self.bounds if self.order is not None else [0, x.shape[1]]
+        copies = self.copies.get(g)
+        if copies is None:  # the group's first round: exact values fill the copies
+            self.copies[g] = copies = means.clone()
+        else:
+            for lo, hi in zip(bounds, bounds[1:]):
+                payload = torch.empty(self.codec.nbytes(hi - lo), dtype=torch.uint8)
+                for a in range(len(parts)):
+                    self.codec.encode_(means[a, lo:hi], copies[a, lo:hi], payload, absorb=True)
+        gamma, p = self.codec.gamma, len(parts)
+        total = copies.sum(0)
+        for a, members in enumerate(parts):
+            # m_a + gamma / p * sum_b (xhat_b - xhat_a)
+            mixed = means[a] + gamma / p * (total - p * copies[a])
+            if self.order is not None:
+                mixed = torch.empty_like(mixed).index_copy_(0, self.order, mixed)
+            x[members] = mixed
+
+
+class Method:
+    """A method on ``task``'s rows: ``step(t, lr_factor)``, then ``consensus()`` is the model."""
+
+    def __init__(self, spec: str, task, lr: float, decent_lr_factor: float = 2.0) -> None:
+        self.m = m = parse(spec)
+        self.task = task
+        betas = (m.get("beta1", 0.9), m.get("beta2", 0.95))
+        if m["kind"] == "ddp":
+            self.peak, self.x = lr, task.start.unsqueeze(0).clone()
+        else:
+            base = lr * decent_lr_factor if m["kind"] == "decent" else lr
+            self.peak, self.x = lr * m["x"] if "x" in m else base, task.initial()
+        s = int(m.get("accum", 1))
+        self.rule = (AccumAdamW(self.x, task.decay, betas, s) if s > 1
+                     else AdamW(self.x, task.decay, betas))  # fmt: skip
+        if m["kind"] == "diloco":
+            self.h, self.theta, self.buf = int(m.get("H", 1)), task.start.clone(), None
+        if m["kind"] == "decent":
+            groups = topology_groups(m["topology"], task.n, task.local_world_size)
+            self.gossip = Gossip(groups, task.local_world_size, m["codec"], task.buckets)
+            self.prev: torch.Tensor | None = None
+        self.global_rounds = 0
+
+    def consensus(self) -> torch.Tensor:
+        return self.x.mean(0)
+
+    def _global(self, t: int) -> bool:
+        m = self.m
+        if t == 0:
+            return False
+        if "pgaw" in m and t < m["pgaw"]:
+            return t % int(m.get("pga", 1)) == 0
+        every = m.get("pgal", m.get("pga")) if "pgaw" in m else m.get("pga")
+        return every is not None and t % int(every) == 0
+
+    @torch.no_grad()
+    def step(self, t: int, factor: float) -> None:
+        lr, kind, x = self.peak * factor, self.m["kind"], self.x
+        if kind == "ddp":
+            with torch.enable_grad():
+                g = self.task.ddp_grad(x[0], t).unsqueeze(0)
+            self.rule.step(x, g, lr)
+            return
+        with torch.enable_grad():
+            g = self.task.grads(x, t)
+        if kind == "diloco":
+            self.rule.step(x, g, lr)
+            if (t + 1) % self.h == 0:
+                self._outer()
+            return
+        if "gmix" in self.m:
+            g = self._mixed_gradient(g, t)
+        if self._global(t):
+            x[:] = x.mean(0, keepdim=True)
+            self.global_rounds += 1
+            if "mmix" in self.m:
+                self.rule.m[:] = self.rule.m.mean(0, keepdim=True)
+        else:
+            self.gossip.mix_(x, t, [self.rule.m] if "mmix" in self.m else [])
+        self.rule.step(x, g, lr)
+
+    def _mixed_gradient(self, g: torch.Tensor, t: int) -> torch.Tensor:
+        """``w_ii g_i(t) + sum_j w_ij g_j(t - 1)`` with round ``t``'s groups (uniform weights)."""
+        prev, self.prev = (g if self.prev is None else self.prev), g.clone()
+        out = g.clone()
+        groups = [tuple(range(self.task.n))] if self._global(t) else self.gossip.groups(t)
+        for grp in groups:
+            idx = list(grp)
+            out[idx] = prev[idx].mean(0, keepdim=True) + (g[idx] - prev[idx]) / len(grp)
+        return out
+
+    def _outer(self) -> None:
+        """DiLoCo's outer step (``_diloco.py``): Nesterov SGD on the mean pseudo-gradient."""
+        lr, mu = self.m.get("olr", 0.7), self.m.get("om", 0.9)
+        delta = self.theta - self.x.mean(0)
+        self.buf = delta.clone() if self.buf is None else self.buf.mul_(mu).add_(delta)
+        self.theta.sub_(delta + mu * self.buf, alpha=lr)
+        self.x[:] = self.theta

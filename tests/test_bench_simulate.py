@@ -1,0 +1,164 @@
+"""The one-process simulation of many workers (``benchmarks/_sim*.py``) against independent references.
+
+* One worker: the simulated AdamW is torch.optim.AdamW, and the simulated AccumAdamW is the
+  package's ``AccumAdamW``, on the character workload's model with the harness's clipping.
+* Four gloo ranks (2 nodes x 2) running the package's ``DecentralizedAdamW`` with int8 gossip on
+  ``one-peer-exp`` and exact gossip on ``ring``: every rank's parameters after a few steps are the
+  simulation's rows, to float tolerance (the simulation is what the many-worker tables rest on).
+* ``base<k+1>`` reaches the exact mean in ``log_(k+1) n`` rounds (a dense product of its
+  mixing matrices); the simulated compressed round keeps the rows' sum; global averages fall on
+  the rounds the spec names.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _harness import run_world
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _sim  # noqa: E402  (the benchmarks import each other by these names)
+import _sim_methods  # noqa: E402
+
+LR, STEPS = 6e-3, 5
+
+
+def _assert_agree(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal to float tolerance but for a few coordinates whose gradient is rounding noise (a
+    key bias, which softmax ignores): there Adam's ``m / (sqrt(v) + eps)`` turns a difference in
+    the last place into one of up to a step (the rate). A wrong rule moves most coordinates."""
+    off = (got - want).abs() > 1e-5 + 1e-4 * want.abs()
+    assert off.float().mean() < 0.005, f"{int(off.sum())} of {off.numel()} values differ"
+    assert (got - want).abs().max() < 3 * 3 * LR
+
+
+def _task(n: int, lws: int = 1) -> _sim.Task:
+    return _sim.Task("char", n, seed=0, global_batch=8, val_batches=1, local_world_size=lws)
+
+
+def _simulated(spec: str, n: int, lws: int = 1, steps: int = STEPS) -> torch.Tensor:
+    task = _task(n, lws)
+    method = _sim_methods.Method(spec, task, LR)
+    for t in range(steps):
+        method.step(t, 1.0)
+    return method.x
+
+
+def _torch_rows(task: _sim.Task, opt_of, rank: int = 0, steps: int = STEPS) -> torch.Tensor:
+    """``steps`` steps of a torch optimizer on ``task``'s model, clipped as the harness clips."""
+    import torch.nn.functional as F
+    from torch.nn.utils import parameters_to_vector
+
+    torch.manual_seed(task.seed)
+    model = task.work.make_model()
+    params = list(model.parameters())
+    opt = opt_of(params)
+    for t in range(steps):
+        x, y = task.batch(rank, t)
+        opt.zero_grad()
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    return parameters_to_vector(params).detach()
+
+
+def _groups(params):
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+
+
+def test_one_worker_is_torch_adamw():
+    task = _task(1)
+    want = _torch_rows(
+        task, lambda ps: torch.optim.AdamW(_groups(ps), lr=LR * 2, betas=(0.9, 0.95))
+    )
+    got = _simulated("decent:complete", 1)[0]
+    assert not torch.equal(want, task.start)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_one_worker_accum_is_the_packages_accum_adamw():
+    import decent_optim
+
+    task = _task(1)
+    want = _torch_rows(task, lambda ps: decent_optim.AccumAdamW(
+        _groups(ps), lr=LR * 3, betas=(0.9, 0.98), accum_iter=2, fused=False), steps=6)  # fmt: skip
+    got = _simulated("decent:complete:x3:accum2:beta2=0.98", 1, steps=6)[0]
+    _assert_agree(got, want)
+    adam = _simulated("decent:complete:x3:beta2=0.98", 1, steps=6)[0]
+    with pytest.raises(AssertionError, match="values differ"):
+        _assert_agree(adam, want)
+
+
+def _ranks(
+    rank: int, world: int, topology: str, compression: str | None, steps: int = STEPS
+) -> torch.Tensor:
+    import decent_optim
+
+    task = _task(world, 2)
+    return _torch_rows(task, lambda ps: decent_optim.DecentralizedAdamW(
+        _groups(ps), lr=LR * 3, betas=(0.9, 0.95), topology=topology, compression=compression,
+        local_world_size=2), rank=rank, steps=steps)  # fmt: skip
+
+
+@pytest.mark.parametrize("topology,codec", [("ring", None), ("one-peer-exp", "int8")])
+def test_four_ranks_are_the_simulated_rows(topology, codec):
+    ranks = torch.stack(run_world(_ranks, 4, topology, codec, timeout=300))
+    spec = f"decent:{topology}{'+' + codec if codec else ''}:x3"
+    rows = _simulated(spec, 4, lws=2)
+    start = _task(4).start
+    assert (ranks[0] - ranks[1]).abs().max() > 1e-4  # the workers differ: a real test of mixing
+    assert (rows - start).abs().max() > 1e-3
+    for r in range(4):
+        _assert_agree(rows[r], ranks[r])
+    with pytest.raises(AssertionError, match="values differ"):
+        _assert_agree(rows[0], ranks[1])
+
+
+@pytest.mark.parametrize("n,base", [(16, 4), (8, 2), (9, 3)])
+def test_base_k_plus_one_reaches_the_exact_mean_in_log_rounds(n, base):
+    groups = _sim_methods.base_groups(n, base)
+    rounds = 0
+    product = torch.eye(n, dtype=torch.float64)
+    while not torch.allclose(product, torch.full((n, n), 1.0 / n, dtype=torch.float64)):
+        w = torch.zeros(n, n, dtype=torch.float64)
+        for g in groups(rounds):
+            assert len(g) == base
+            for i in g:
+                w[i, list(g)] = 1.0 / base
+        product = w @ product
+        rounds += 1
+        assert rounds <= 8
+    import math
+
+    assert rounds == round(math.log(n, base))
+    with pytest.raises(SystemExit, match="power of 4"):
+        _sim_methods.base_groups(12, 4)
+
+
+def test_a_compressed_round_keeps_the_sum_and_moves_toward_the_mean():
+    gen = torch.Generator().manual_seed(0)
+    gossip = _sim_methods.Gossip(_sim_methods.topology_groups("one-peer-exp", 8, 2), 2, "int8")
+    x = torch.randn(8, 5000, generator=gen)
+    for r in range(6):
+        before = x.clone()
+        x += 0.01 * torch.randn(8, 5000, generator=gen)  # local progress between rounds
+        noisy = x.clone()
+        gossip.mix_(x, r)
+        torch.testing.assert_close(x.sum(0), noisy.sum(0), rtol=0, atol=1e-4)
+        assert not torch.equal(x, before)
+    spread = (x - x.mean(0)).norm() / (noisy - noisy.mean(0)).norm()
+    assert spread < 1.0
+
+
+def test_global_averages_fall_on_the_rounds_named():
+    task = _task(4)
+    dense = _sim_methods.Method("decent:ring:pga3", task, LR)
+    assert [t for t in range(10) if dense._global(t)] == [3, 6, 9]
+    early = _sim_methods.Method("decent:ring:pga2:pgaw6:pgal4", task, LR)
+    assert [t for t in range(13) if early._global(t)] == [2, 4, 8, 12]
+    with pytest.raises(SystemExit, match="kinds"):
+        _sim_methods.parse("allreduce:ring")
