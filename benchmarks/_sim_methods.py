@@ -203,7 +203,7 @@ class Method:
         self.task = task
         betas = (m.get("beta1", 0.9), m.get("beta2", 0.95))
         if m["kind"] == "ddp":
-            self.peak, self.x = lr, task.start.unsqueeze(0).clone()
+            self.peak, self.x = lr * m.get("x", 1.0), task.start.unsqueeze(0).clone()
         else:
             base = lr * decent_lr_factor if m["kind"] == "decent" else lr
             self.peak, self.x = lr * m["x"] if "x" in m else base, task.initial()

@@ -32,7 +32,7 @@ KEY = ("workload", "workers", "lws", "global_batch", "steps", "warmup", "seed", 
 
 def run(task: _sim.Task, spec: str, sched: _sim.Schedule, args, target: float | None) -> dict:
     method = _sim_methods.Method(spec, task, sched.lr, args.decent_lr_factor)
-    budget = sched.steps if spec == "ddp" else int(sched.steps * args.max_steps_factor)
+    budget = sched.steps if spec.startswith("ddp") else int(sched.steps * args.max_steps_factor)
     curve, reached, began = [], None, time.perf_counter()
     for t in range(budget):
         method.step(t, sched.factor(t))
