@@ -7,7 +7,10 @@ parts (``x<f>`` the peak rate as a multiple of DDP's; the others as ``name<numbe
 
 * the update rule: AdamW (default, torch.optim.AdamW's arithmetic per row) or ``accum<s>``
   (AccumAdamW: the moment bases refreshed every ``s`` steps from the window's mean gradient);
-  ``beta1=``, ``beta2=`` (default 0.9, 0.95, the harness's).
+  ``beta1=``, ``beta2=`` (default 0.9, 0.95, the harness's); ``vcorr<n>``: AdamW whose second
+  moment is the one of a mean of ``n`` workers' gradients, estimated from the worker's own
+  moments as :math:`\hat m^2 + (\hat v - \hat m^2) / n` (the noise part shrunk ``n``-fold; no
+  bytes; ``n = 1`` is AdamW).
 * what the round carries besides the parameters: ``gmix`` also the gradient of the step before,
   so the rule sees :math:`w_{ii} g_i(t) + \sum_{j \ne i} w_{ij} g_j(t-1)` (twice the bytes);
   ``mmix`` Adam's first moment, mixed like the parameters.
@@ -58,9 +61,12 @@ def parse(spec: str) -> dict:
 class AdamW:
     """torch.optim.AdamW's step on every row; ``decay`` masks weight decay per element."""
 
-    def __init__(self, x: torch.Tensor, decay: torch.Tensor, betas, wd: float = 0.1) -> None:
+    def __init__(
+        self, x: torch.Tensor, decay: torch.Tensor, betas, wd: float = 0.1, share: float = 1.0
+    ) -> None:
         self.m, self.v = torch.zeros_like(x), torch.zeros_like(x)
         self.betas, self.wd, self.decay, self.t = betas, wd, decay, 0
+        self.share = share
 
     def step(self, x: torch.Tensor, g: torch.Tensor, lr: float) -> None:
         b1, b2 = self.betas
@@ -69,8 +75,16 @@ class AdamW:
         self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
         bc1, bc2 = 1 - b1**self.t, 1 - b2**self.t
         x.mul_(1 - lr * self.wd * self.decay)
-        denom = (self.v.sqrt() / bc2**0.5).add_(1e-8)
-        x.addcdiv_(self.m, denom, value=-lr / bc1)
+        if self.share == 1.0:
+            denom = (self.v.sqrt() / bc2**0.5).add_(1e-8)
+            x.addcdiv_(self.m, denom, value=-lr / bc1)
+            return
+        # vcorr<n>: the second moment of a mean over n workers' gradients, estimated from
+        # one's own: the mean's square plus 1/n of the spread, m^2 + (v - m^2) / n
+        m_hat, v_hat = self.m / bc1, self.v / bc2
+        sq = m_hat.square()
+        v_eff = sq + (v_hat - sq).clamp_(min=0) / self.share
+        x.addcdiv_(m_hat, v_eff.sqrt_().add_(1e-8), value=-lr)
 
 
 class AccumAdamW(AdamW):
@@ -209,7 +223,7 @@ class Method:
             self.peak, self.x = lr * m["x"] if "x" in m else base, task.initial()
         s = int(m.get("accum", 1))
         self.rule = (AccumAdamW(self.x, task.decay, betas, s) if s > 1
-                     else AdamW(self.x, task.decay, betas))  # fmt: skip
+                     else AdamW(self.x, task.decay, betas, share=m.get("vcorr", 1.0)))  # fmt: skip
         if m["kind"] == "diloco":
             self.h, self.theta, self.buf = int(m.get("H", 1)), task.start.clone(), None
         if m["kind"] == "decent":

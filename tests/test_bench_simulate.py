@@ -162,3 +162,24 @@ def test_global_averages_fall_on_the_rounds_named():
     assert [t for t in range(13) if early._global(t)] == [2, 4, 8, 12]
     with pytest.raises(SystemExit, match="kinds"):
         _sim_methods.parse("allreduce:ring")
+
+
+def test_vcorr_estimates_the_second_moment_of_a_mean_of_n_gradients():
+    """A stationary stream g = mu + sigma * noise: vcorr<n>'s mean step is m / sqrt(v_eff) with
+    v_eff = mu^2 + c sigma^2, where c = r + (1 - r) / n and r = (1 - b1) / (1 + b1) is the noise
+    an EMA of weight 1 - b1 keeps in m^2 (AdamW's is mu / sqrt(mu^2 + sigma^2))."""
+    gen = torch.Generator().manual_seed(0)
+    mu, n, lr, b1 = torch.linspace(-1, 1, 4000), 16, 1e-4, 0.9
+    x = torch.zeros(1, 4000)
+    rule = _sim_methods.AdamW(x, torch.zeros(4000), (b1, 0.999), share=n)
+    start = None
+    for t in range(4000):
+        if t == 2000:
+            start = x.clone()
+        rule.step(x, (mu + torch.randn(4000, generator=gen)).unsqueeze(0), lr)
+    step = (start - x)[0] / lr / 2000
+    r = (1 - b1) / (1 + b1)
+    want = mu / (mu.square() + r + (1 - r) / n).sqrt()
+    plain = mu / (mu.square() + 1).sqrt()
+    assert (step - want).abs().mean() < 0.04  # the ratio of noisy EMAs: a mean, not a bound
+    assert (step - plain).abs().mean() > 0.15
