@@ -130,7 +130,7 @@ def base_groups(n: int, base: int) -> Callable[[int], Groups]:
 
 
 def topology_groups(name: str, n: int, lws: int) -> Callable[[int], Groups]:
-    if name.startswith("base"):
+    if re.fullmatch(r"base\d+", name):  # the simulation's own, the package's is base-<b>
         return base_groups(n, int(name[4:]))
     from decent_optim.topologies import get
 
@@ -266,7 +266,7 @@ class Method:
             self.global_rounds += 1
             if "mmix" in self.m:
                 self.rule.m[:] = self.rule.m.mean(0, keepdim=True)
-        else:
+        elif t > 0:  # round 0 would mix the start, equal everywhere: the package skips it
             self.gossip.mix_(x, t, [self.rule.m] if "mmix" in self.m else [])
         self.rule.step(x, g, lr)
 

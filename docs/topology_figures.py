@@ -36,6 +36,7 @@ FIGURES: list[tuple[str, str, Topology]] = [
         "alternating-exp-ring, 4 nodes x 2 workers",
         topologies.get("alternating-exp-ring", 8, 2),
     ),
+    ("base-4", "base-4, n = 16", topologies.get("base-4", 16)),
 ]
 
 
@@ -146,6 +147,7 @@ def gap_table() -> str:
         ("ring", 1),
         ("one-peer-exp", 1),
         ("alternating-exp-ring", 2),
+        ("base-4", 1),
     ]
     rows = []
     for name, local in specs:

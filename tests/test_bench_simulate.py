@@ -104,7 +104,10 @@ def _ranks(
         local_world_size=2), rank=rank, steps=steps)  # fmt: skip
 
 
-@pytest.mark.parametrize("topology,codec", [("ring", None), ("one-peer-exp", "int8")])
+@pytest.mark.parametrize(
+    "topology,codec",
+    [("ring", None), ("one-peer-exp", "int8"), ("base-4", "int8"), ("complete", "int8")],
+)
 def test_four_ranks_are_the_simulated_rows(topology, codec):
     ranks = torch.stack(run_world(_ranks, 4, topology, codec, timeout=300))
     spec = f"decent:{topology}{'+' + codec if codec else ''}:x3"

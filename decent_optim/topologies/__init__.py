@@ -23,9 +23,11 @@ from decent_optim.topologies.builtin import (
     RingTopology,
 )
 from decent_optim.topologies.custom import CustomTopology
+from decent_optim.topologies.finite_time import BaseTopology
 
 __all__ = [
     "AlternatingExpRingTopology",
+    "BaseTopology",
     "CompleteTopology",
     "CustomTopology",
     "OnePeerExpTopology",
@@ -44,7 +46,8 @@ _NAMED: dict[str, type[Topology]] = {
 
 
 def names() -> list[str]:
-    """The names :func:`get` accepts."""
+    """The fixed names :func:`get` accepts; it also takes ``base-<b>`` for any ``b >= 2``
+    (:class:`BaseTopology`), which ``plan`` does not measure yet."""
     return list(_NAMED)
 
 
@@ -64,8 +67,14 @@ def get(name: str | Topology, world_size: int, local_world_size: int = 1) -> Top
         return name
     if not isinstance(name, str):
         raise TypeError(f"topology must be a name (str) or a Topology, got {type(name).__name__}")
+    base = name.removeprefix("base-")
+    if base != name and base.isdigit():
+        return BaseTopology(world_size, local_world_size, int(base))
     cls = _NAMED.get(name)
     if cls is None:
         valid = ", ".join(repr(k) for k in _NAMED)
-        raise ValueError(f"unknown topology {name!r}; valid names are {valid}, or pass a Topology")
+        raise ValueError(
+            f"unknown topology {name!r}; valid names are {valid}, 'base-<b>' (b >= 2, e.g. "
+            "'base-4'), or pass a Topology"
+        )
     return cls(world_size, local_world_size)
