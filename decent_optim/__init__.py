@@ -6,6 +6,7 @@ per step, while the next forward and backward run.
 """
 
 from decent_optim import checkpoint, topologies
+from decent_optim.advice import Advice, recommend
 from decent_optim.gossip.elastic import check_restarted_worker
 from decent_optim.optim.accum_adam import AccumAdam, AccumAdamW
 from decent_optim.optim.dadam import DecentralizedAdam, DecentralizedAdamW
@@ -26,6 +27,7 @@ check_restarted_worker()
 
 __all__ = [
     "DSGD",
+    "Advice",
     "AccumAdam",
     "AccumAdamW",
     "DecentralizedAdam",
@@ -37,6 +39,7 @@ __all__ = [
     "Topology",
     "__version__",
     "checkpoint",
+    "recommend",
     "topologies",
     "unwrap",
 ]

@@ -48,7 +48,7 @@ import time
 import torch
 
 from decent_optim import runtime, topologies
-from decent_optim._plan_args import LAUNCH, parse
+from decent_optim._plan_args import LAUNCH, advice_text, parse, wants_advice
 from decent_optim._plan_args import parser as _parser  # noqa: F401  (tests read its options)
 from decent_optim._plan_report import as_json, format_table, predict
 from decent_optim.gossip import Gossiper
@@ -226,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.r is not None:
         regime = regimes.report(args.r, args.local_steps, args.compression)
         regime = "\n".join(filter(None, [args.ratio_text, regime]))
-    if regime and "RANK" not in os.environ:  # the table alone: nothing to measure
-        print(regime)
+    if wants_advice(args) and "RANK" not in os.environ:  # no measurement: the advice alone
+        print("\n\n".join(filter(None, [regime, advice_text(args, strict=True)])))
         return 0
     if "RANK" not in os.environ:
         raise SystemExit(
@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(measured, rows), flush=True)
             if regime:
                 print("\n" + regime)
+            per_node = measured["local_world_size"]
+            nodes = max(1, measured["world_size"] // per_node)
+            print("\n" + advice_text(args, nodes, per_node), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(as_json(measured, rows), f, indent=2)
