@@ -64,7 +64,7 @@ UNEVEN_BELOW = 0.9
 #: even devices, no extra drift); at 16 workers the outer step measured within 0.3% of DDP's
 #: final loss (docs/uneven_hardware.rst, "The outer step at sixteen workers").
 UNEVEN_LOCAL_STEPS = 2
-UNEVEN_MANY_OUTER = {"every": 16, "lr": 0.7, "momentum": 0.5}
+UNEVEN_MANY_OUTER: dict[str, Any] = {"every": 16, "lr": 0.7, "momentum": 0.5}
 
 #: live membership: the survivors' next step 0.55-1.5 s after a SIGKILL, no step lost, against
 #: 25 s and 6 steps for a torchrun restart from disk (docs/surviving_failures.rst). It refuses

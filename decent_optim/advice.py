@@ -93,7 +93,7 @@ def _positive(name: str, value: Any, integer: bool = False) -> Any:
     if isinstance(value, bool) or not isinstance(value, kind):
         what = "an int" if integer else "a number"
         raise TypeError(f"recommend(): {name} must be {what} > 0, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(float(value)) and float(value) > 0):
         raise ValueError(f"recommend(): {name} must be finite and > 0, got {value!r}")
     return value
 
