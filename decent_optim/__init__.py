@@ -18,7 +18,7 @@ from decent_optim.optim.slow_outer import LocalOuterSGD
 from decent_optim.topologies import Topology
 from decent_optim.wrappers import unwrap
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # a worker that torchrun restarted with a shared rendezvous store fails or hangs in
 # init_process_group, before it could build an optimizer and be told why: tell it now
