@@ -18,9 +18,11 @@ In well under a minute it measures, at the given model size:
 
 With ``--r R`` (seconds of one float32 copy over a node's uplink / seconds per step), or R from
 its parts, ``--params N --link 10gbit --step-ms 55``, it also names the compression that keeps a
-round hidden for each H (:func:`decent_optim.runtime.wire.hidden`) and the setting to start from
-at that R with its costs (:func:`decent_optim.runtime.regimes.recommend`); without torchrun it
-prints only that.
+round hidden for each H (:func:`decent_optim.runtime.wire.hidden`,
+:func:`decent_optim.runtime.regimes.recommend`). Last it prints the line to write,
+:func:`decent_optim.recommend`'s for the job's layout (or ``--nodes`` / ``--workers-per-node``),
+R, ``--speeds``, ``--failures`` and ``--steps``; without torchrun it prints only the regime and
+that line (``--nodes 1 --workers-per-node 8`` needs no R).
 
 With ``--local-steps 4 16`` it also predicts every topology gossiping every H steps
 (``local_steps=H``: the round travels during H iterations) and DiLoCo's blocking all-reduce of
