@@ -133,19 +133,6 @@ def _uneven(speeds: Sequence[float] | None, workers: int | None) -> bool:
     return min(speeds) / max(speeds) < rules.UNEVEN_BELOW
 
 
-def _power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
-def _across_nodes(nodes: int | None, per_node: int, r: float) -> str:
-    """The topology between nodes: measured best per layout (docs/time_to_quality.rst)."""
-    if nodes is not None and not _power_of_two(nodes):
-        return "ring"  # the others need a power-of-two number of nodes
-    if per_node == 1 and r <= rules.INT8_HIDDEN_R:
-        return "one-peer-exp"  # 4 x 1: faster mixing while the int8 round hides
-    return "alternating-exp-ring"
-
-
 def recommend(
     *,
     params: float | None = None,
@@ -179,90 +166,19 @@ def recommend(
         raise ValueError("recommend(): one worker in all: nothing to average; keep torch.optim")
     uneven = _uneven(speeds, workers)
     if nodes == 1:
-        return _finish(_one_machine(workers_per_node), None, uneven, failures, many=False)
+        return _finish(rules.one_machine(workers_per_node), None, uneven, failures, many=False)
     if r_value is None:
         raise ValueError(
             "recommend(): several nodes: give params=, link= and step_ms= (or r=) so that R, "
             "the steps one float32 copy takes over a node's uplink, can be computed"
         )
     many = workers is not None and workers >= rules.MANY_WORKERS
-    base = _between_nodes(r_value, nodes, workers_per_node, many, steps)
+    base = rules.between_nodes(r_value, nodes, workers_per_node, many, steps)
     if uneven or failures:  # their measured settings are a replica per rank
         base["needs"], base["sharded"] = (), False
         if many:
-            base["kwargs"]["topology"] = _across_nodes(nodes, workers_per_node, r_value)
+            base["kwargs"]["topology"] = rules.across_nodes(nodes, workers_per_node, r_value)
     return _finish(base, r_value, uneven, failures, many)
-
-
-def _one_machine(per_node: int) -> dict[str, Any]:
-    topology = "one-peer-exp" if _power_of_two(per_node) else "ring"
-    return {
-        "use_ddp": True,
-        "verdict": "loses",
-        "kwargs": {"topology": topology},
-        "reason": "one machine: its links cost DDP almost nothing, and ours needs 1.15-1.3x "
-        "DDP's steps to its loss, so DDP is faster; ours pays on one machine only with uneven "
-        "GPUs or workers that fail (cross-node topologies and compression do not apply there)",
-    }
-
-
-def _between_nodes(
-    r: float, nodes: int | None, per_node: int, many: bool, steps: int | None
-) -> dict[str, Any]:
-    topology = _across_nodes(nodes, per_node, r)
-    at = f"R = {r:.3g}"
-    if r < rules.DDP_BELOW_R:
-        return {
-            "use_ddp": True,
-            "verdict": "loses",
-            "kwargs": {"topology": topology, "compression": "int8"},
-            "reason": f"{at} < {rules.DDP_BELOW_R:g}: a copy crosses in a fraction of a step, "
-            "so DDP's all-reduce costs less than the 1.15-1.3x DDP's steps ours needs",
-        }
-    if r <= rules.INT8_HIDDEN_R and many:
-        return {
-            "use_ddp": False,
-            "verdict": "ties" if r <= 1 else "wins",
-            "kwargs": dict(rules.MANY_WORKERS_SETTING),
-            "needs": (rules.MANY_WORKERS_NEEDS,),
-            "sharded": True,
-            "reason": f"{at}, {rules.MANY_WORKERS}+ workers: a replica per node halves the "
-            "noise of a step and the bytes a rank sends; measured at 16 workers 0.99x / 1.05x "
-            "DDP's time at R = 0.3 (a tie: DDP is as good there) and 0.38x / 0.41x at R = 3",
-        }
-    if r <= rules.INT8_HIDDEN_R:
-        return {
-            "use_ddp": False,
-            "verdict": "wins",
-            "kwargs": {"topology": topology, "compression": "int8"},
-            "reason": f"{at} <= {rules.INT8_HIDDEN_R:g}: an int8 round (a quarter copy) crosses "
-            "within a step, so ours stays at the compute floor every step: measured 0.91x / "
-            "0.75x DDP's time at R = 0.3 and 0.24x at R = 3 (0.43x the best DiLoCo)",
-        }
-    if steps is not None and steps < rules.SHORT_SCHEDULE:
-        return {
-            "use_ddp": False,
-            "verdict": "wins",
-            "kwargs": {"topology": topology, "compression": "int8"},
-            "reason": f"{at}, a schedule of {steps} < {rules.SHORT_SCHEDULE} steps: local steps "
-            "cost too many steps there; every-step int8 measured 0.088x DDP's time at R = 30 "
-            "on 480 steps (0.24x the best DiLoCo)",
-        }
-    slow = rules.SLOW_LINK_SETTING
-    return {
-        "use_ddp": False,
-        "verdict": "wins",
-        "kwargs": {
-            "topology": topology,
-            "compression": slow["compression"],
-            "local_steps": slow["local_steps"],
-            "outer": LocalOuterSGD(every=slow["outer_every"]),
-        },
-        "source": {"outer": f"LocalOuterSGD(every={slow['outer_every']})"},
-        "reason": f"{at} > {rules.INT8_HIDDEN_R:g}: bytes decide; on a longer schedule at R "
-        "about 32 this was the best of ours (every-step int8 took 3.5x its time); on a "
-        f"schedule under {rules.SHORT_SCHEDULE} steps give steps= (every-step int8 wins there)",
-    }
 
 
 def _finish(
