@@ -96,6 +96,13 @@ def across_nodes(nodes: int | None, per_node: int, r: float) -> str:
     return "alternating-exp-ring"
 
 
+def _fit_replicas(kwargs: dict[str, Any], nodes: int | None) -> dict[str, Any]:
+    """``one-peer-exp`` over the replicas needs a power-of-two number of them: else ``ring``."""
+    if kwargs.get("topology") == "one-peer-exp" and nodes is not None and not power_of_two(nodes):
+        kwargs["topology"] = "ring"
+    return kwargs
+
+
 def one_machine(per_node: int) -> dict[str, Any]:
     topology = "one-peer-exp" if power_of_two(per_node) else "ring"
     return {
@@ -125,7 +132,7 @@ def between_nodes(
         return {
             "use_ddp": False,
             "verdict": "ties" if r <= 1 else "wins",
-            "kwargs": dict(MANY_WORKERS_SETTING),
+            "kwargs": _fit_replicas(dict(MANY_WORKERS_SETTING), nodes),
             "needs": (MANY_WORKERS_NEEDS,),
             "sharded": True,
             "reason": f"{at}, {MANY_WORKERS}+ workers: a replica per node halves the "

@@ -148,6 +148,10 @@ def test_many_workers_follow_their_one_rule(monkeypatch):
     # issue 61's result is one change of that constant
     monkeypatch.setattr(rules, "MANY_WORKERS_SETTING", {"topology": "ring"})
     assert decent_optim.recommend(r=0.5, nodes=8, workers_per_node=2).kwargs == {"topology": "ring"}
+    monkeypatch.undo()
+    odd = decent_optim.recommend(r=0.5, nodes=6, workers_per_node=8)  # 6 replicas: no one-peer-exp
+    assert odd.kwargs["topology"] == "ring"
+    decent_optim.topologies.get("ring", 6, 1)
     few = decent_optim.recommend(r=0.5, nodes=4, workers_per_node=2)  # 8 workers
     assert not few.sharded and few.kwargs["topology"] == "alternating-exp-ring"
 
@@ -209,3 +213,18 @@ def test_plan_turns_bad_input_into_a_usage_error(argv, message, monkeypatch, cap
         plan.main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("per_node", [1, 2, 8])
+def test_every_named_topology_fits_its_layout(nodes, per_node):
+    if nodes * per_node == 1:
+        return
+    for r in (0.1, 0.5, 3.0, 30.0):
+        for speeds in (None, [1.0] * (nodes * per_node - 1) + [0.5]):
+            for failures in (False, True):
+                advice = decent_optim.recommend(
+                    r=r, nodes=nodes, workers_per_node=per_node, speeds=speeds, failures=failures
+                )
+                world, local = (nodes, 1) if advice.sharded else (nodes * per_node, per_node)
+                decent_optim.topologies.get(advice.kwargs["topology"], world, local)  # no error
