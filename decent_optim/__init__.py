@@ -6,6 +6,7 @@ per step, while the next forward and backward run.
 """
 
 from decent_optim import checkpoint, topologies
+from decent_optim.advice import Advice, recommend
 from decent_optim.gossip.elastic import check_restarted_worker
 from decent_optim.optim.accum_adam import AccumAdam, AccumAdamW
 from decent_optim.optim.dadam import DecentralizedAdam, DecentralizedAdamW
@@ -17,7 +18,7 @@ from decent_optim.optim.slow_outer import LocalOuterSGD
 from decent_optim.topologies import Topology
 from decent_optim.wrappers import unwrap
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # a worker that torchrun restarted with a shared rendezvous store fails or hangs in
 # init_process_group, before it could build an optimizer and be told why: tell it now
@@ -26,6 +27,7 @@ check_restarted_worker()
 
 __all__ = [
     "DSGD",
+    "Advice",
     "AccumAdam",
     "AccumAdamW",
     "DecentralizedAdam",
@@ -37,6 +39,7 @@ __all__ = [
     "Topology",
     "__version__",
     "checkpoint",
+    "recommend",
     "topologies",
     "unwrap",
 ]

@@ -114,8 +114,8 @@ def parser() -> argparse.ArgumentParser:
         metavar="R",
         help="seconds one float32 copy of the model takes over a node's uplink / seconds per "
         "step: print which compression keeps a round hidden at R (with --local-steps, per H; "
-        "the --compression names, else a list of candidates) and the setting to start from; "
-        "without torchrun only that",
+        "the --compression names, else a list of candidates) and the line to write "
+        "(decent_optim.recommend); without torchrun only that",
     )
     p.add_argument(
         "--link",
@@ -149,6 +149,33 @@ def parser() -> argparse.ArgumentParser:
         metavar="S",
         help="one speed factor per worker (1 1 1 0.5: the last at half speed): predict every "
         "method on workers that uneven, and uneven=True with --local-steps",
+    )
+    p.add_argument(
+        "--nodes",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="machines in the job, for the line to write (under torchrun: measured)",
+    )
+    p.add_argument(
+        "--workers-per-node",
+        type=positive_int,
+        default=None,
+        metavar="W",
+        help="workers (GPUs) per machine, for the line to write (under torchrun: measured)",
+    )
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        metavar="T",
+        help="the schedule's length in steps: at slow links it decides between every-step "
+        "int8 (short) and local steps with an outer step (long)",
+    )
+    p.add_argument(
+        "--failures",
+        action="store_true",
+        help="the job must survive lost workers: the line adds live membership",
     )
     p.add_argument("--json", default=None, help="also write the measurements and predictions here")
     return p
@@ -185,3 +212,47 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             f"--params {args.params:g} for --layers {args.layers}"
         )
     return args
+
+
+#: recommend()'s argument names as the plan's flags, for its errors
+_FLAGS = {"params=": "--params", "link=": "--link", "step_ms=": "--step-ms", "r=": "--r",
+          "speeds": "--speeds", "nodes x workers_per_node": "--nodes x --workers-per-node"}  # fmt: skip
+
+
+def wants_advice(args: argparse.Namespace) -> bool:
+    """Whether the options say anything :func:`decent_optim.recommend` needs."""
+    layout = (args.nodes, args.workers_per_node, args.speeds, args.steps)
+    return args.r is not None or args.failures or any(v is not None for v in layout)
+
+
+def advice_text(
+    args: argparse.Namespace,
+    nodes: int | None = None,
+    per_node: int | None = None,
+    strict: bool = False,
+) -> str:
+    """:func:`decent_optim.recommend` for these options (the layout measured under torchrun
+    unless ``--nodes`` / ``--workers-per-node`` say otherwise), or why it cannot say: with
+    ``strict`` a usage error (exit 2) instead."""
+    from decent_optim.advice import recommend
+
+    nodes = args.nodes if args.nodes is not None else nodes
+    per_node = args.workers_per_node or per_node or 1
+    try:
+        advice = recommend(
+            r=args.r,
+            nodes=nodes,
+            workers_per_node=per_node,
+            speeds=args.speeds,
+            failures=args.failures,
+            steps=args.steps,
+        )
+    except (TypeError, ValueError) as err:
+        text = str(err).replace("recommend(): ", "")
+        for name, flag in _FLAGS.items():
+            text = text.replace(name, flag)
+        if strict:
+            parser().error(text)
+        return f"the line to write: not decided: {text}"
+    layout = "several nodes" if nodes is None else f"{nodes} node(s) x {per_node} worker(s)"
+    return f"for {layout}:\n{advice.text()}"

@@ -18,9 +18,11 @@ In well under a minute it measures, at the given model size:
 
 With ``--r R`` (seconds of one float32 copy over a node's uplink / seconds per step), or R from
 its parts, ``--params N --link 10gbit --step-ms 55``, it also names the compression that keeps a
-round hidden for each H (:func:`decent_optim.runtime.wire.hidden`) and the setting to start from
-at that R with its costs (:func:`decent_optim.runtime.regimes.recommend`); without torchrun it
-prints only that.
+round hidden for each H (:func:`decent_optim.runtime.wire.hidden`,
+:func:`decent_optim.runtime.regimes.recommend`). Last it prints the line to write,
+:func:`decent_optim.recommend`'s for the job's layout (or ``--nodes`` / ``--workers-per-node``),
+R, ``--speeds``, ``--failures`` and ``--steps``; without torchrun it prints only the regime and
+that line (``--nodes 1 --workers-per-node 8`` needs no R).
 
 With ``--local-steps 4 16`` it also predicts every topology gossiping every H steps
 (``local_steps=H``: the round travels during H iterations) and DiLoCo's blocking all-reduce of
@@ -48,7 +50,7 @@ import time
 import torch
 
 from decent_optim import runtime, topologies
-from decent_optim._plan_args import LAUNCH, parse
+from decent_optim._plan_args import LAUNCH, advice_text, parse, wants_advice
 from decent_optim._plan_args import parser as _parser  # noqa: F401  (tests read its options)
 from decent_optim._plan_report import as_json, format_table, predict
 from decent_optim.gossip import Gossiper
@@ -226,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.r is not None:
         regime = regimes.report(args.r, args.local_steps, args.compression)
         regime = "\n".join(filter(None, [args.ratio_text, regime]))
-    if regime and "RANK" not in os.environ:  # the table alone: nothing to measure
-        print(regime)
+    if wants_advice(args) and "RANK" not in os.environ:  # no measurement: the advice alone
+        print("\n\n".join(filter(None, [regime, advice_text(args, strict=True)])))
         return 0
     if "RANK" not in os.environ:
         raise SystemExit(
@@ -243,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(measured, rows), flush=True)
             if regime:
                 print("\n" + regime)
+            per_node = measured["local_world_size"]
+            nodes = max(1, measured["world_size"] // per_node)
+            print("\n" + advice_text(args, nodes, per_node), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(as_json(measured, rows), f, indent=2)

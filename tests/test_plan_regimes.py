@@ -222,3 +222,6 @@ def test_plan_under_torchrun_prints_the_setting_after_the_table(tmp_path):
     assert "= 0.00064 s per float32 copy, / 0.01 s per step = 0.064" in out
     assert out.index("recommended:") < out.index("regime: R <= 1")
     assert "local_steps=1, compression=None (float32): a round crosses in 0.064 steps" in out
+    # the line to write, for the layout measured: 2 ranks on one machine
+    assert "for 1 node(s) x 2 worker(s):" in out
+    assert "the line to write: keep torch.optim.AdamW under DistributedDataParallel" in out

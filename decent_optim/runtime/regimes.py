@@ -1,4 +1,4 @@
-r"""The regime R of a job and the gossip setting to start from there (pure Python).
+r"""The regime R of a job and which codec keeps a gossip round hidden there (pure Python).
 
 .. math::
     R = \frac{32 N / B}{S}
@@ -13,7 +13,8 @@ smallest ``local_steps`` of 1, 2, 4, 8 that has one (float32, no compression, fi
 beside it the smallest ``local_steps`` at which a round of float32, bf16 or int8 stays hidden,
 the codecs that cost almost no quality. It predicts time only: what fewer rounds or a stronger
 codec cost in steps to a loss is measured (``docs/time_to_quality.rst``,
-``docs/algorithms.rst``), not predicted.
+``docs/algorithms.rst``), not predicted. The line to write, which weighs those measurements, is
+:func:`decent_optim.recommend`'s: the one source of recommendations, which uses :func:`ratio`.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def _codec(name: str | None) -> str:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The setting to start from at ``r``; ``local_steps`` None when no round is hidden."""
+    """The first hidden round at ``r``; ``local_steps`` None when no round is hidden."""
 
     r: float
     regime: str
@@ -123,13 +124,13 @@ class Recommendation:
         lines = [f"regime: {self.regime}"]
         if self.local_steps is None:
             lines.append(
-                f"start from: no round of the codecs tried is hidden with local_steps <= "
+                f"hidden first: no round of the codecs tried is hidden with local_steps <= "
                 f"{LOCAL_STEPS[-1]}; try more --local-steps (the lines above), a stronger codec, "
                 "or more work per step (R falls as the step grows)"
             )
         else:
             lines.append(
-                f"start from: topology={self.topology!r}, local_steps={self.local_steps}, "
+                f"hidden first: topology={self.topology!r}, local_steps={self.local_steps}, "
                 f"{_codec(self.compression)}: a round crosses in {self.steps:.3g} steps"
             )
         mild = self.mild
@@ -172,7 +173,8 @@ class Recommendation:
 
 
 def recommend(r: float, names: Sequence[str] = CANDIDATES) -> Recommendation:
-    """The setting to start from at ``r``, among float32 and the codecs ``names``."""
+    """The first hidden round at ``r``, among float32 and the codecs ``names`` (time only: the
+    line to write is :func:`decent_optim.recommend`'s)."""
     if not r > 0:
         raise ValueError(f"R must be > 0, got {r!r}")
     regime = next(text for bound, text in _CLASSES if r <= bound)
