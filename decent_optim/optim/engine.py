@@ -33,9 +33,8 @@ from decent_optim.optim.consensus import ConsensusViews
 from decent_optim.optim.facts import WorkerFacts
 from decent_optim.optim.failure import FailureLatch, guarded
 from decent_optim.optim.inputs import AveragedCheck
-from decent_optim.optim.local_steps import OuterSGD
 from decent_optim.optim.options import ParamsT, with_defaults
-from decent_optim.optim.slow_outer import LocalOuterSGD
+from decent_optim.optim.outer import LocalOuterSGD, OuterSGD
 from decent_optim.optim.state import FlatState
 from decent_optim.optim.state_dicts import StateDicts
 from decent_optim.rules.base import UpdateRule
@@ -215,6 +214,8 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, 
         self.topology, self._member = start.topology, start.member
         self._where = (start.group, start.device)  # of load_state_dict's cross-check
         self._flat, self._frozen, self._stash = start.flat, start.frozen, start.stash
+        # what a newcomer must have alike (joining.fit)
+        self._schedule, self._global_avg_every = period, global_avg_every
         self._rounds = schedules.make_rounds(start.gossip, start.flat, global_avg_every, period)
         self._rounds.live = live.attach(
             self, start, membership, on_membership_change, topology, compression

@@ -114,28 +114,37 @@ def connect(
     return Connected(gossip, topo, flat, frozen, None, member, group, comm_device(group), resume)
 
 
-def fit(owner: Any) -> int:
-    """A hash of what the transfer needs alike on both sides (step 3 of the module docstring)."""
-    rounds, live = owner._rounds, owner._rounds.live
+def fit(owner: Any) -> list[tuple[str, str]]:
+    """What the transfer needs alike on both sides (step 3 of the module docstring), part by
+    part: a label for the refusal's message, and the setting as text."""
+    live = owner._rounds.live
     layout = [
         (b.group_index, str(b.dtype), [tuple(p.shape) for p in b.params])
         for b in owner._flat.buckets
     ]
-    text = repr(
-        (
-            type(owner).__name__,
-            type(rounds).__name__,
-            getattr(rounds, "local_steps", 1),
-            rounds._every,
-            live.topology,
-            None if live.compression is None else codecs.get(live.compression).name,
-            layout,
-            [owner.rule.keys(g) for g in owner.param_groups],
-            [g.get("param_names") for g in owner.param_groups],
-            [(tuple(t.shape), str(t.dtype)) for t in owner._frozen],
-        )
-    )
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+    # (a world of one, which has no live membership, for the tests of the parts)
+    topology = repr(owner.topology) if live is None else live.topology
+    compression = None if live is None else live.compression
+    codec = None if compression is None else codecs.get(compression).name
+    return [
+        ("the class", type(owner).__name__),
+        ("the parameters' shapes, dtypes or order", repr(layout)),
+        ("the param groups' state keys", repr([owner.rule.keys(g) for g in owner.param_groups])),
+        ("the parameters' names", repr([g.get("param_names") for g in owner.param_groups])),
+        ("the frozen parameters", repr([(tuple(t.shape), str(t.dtype)) for t in owner._frozen])),
+        ("the schedule (local_steps, outer=, uneven=)", owner._schedule.describe()),
+        ("global_avg_every", repr(owner._global_avg_every)),
+        ("the topology's name", topology),
+        ("compression=", repr(codec)),
+    ]
+
+
+def _hashes(parts: list[tuple[str, str]]) -> list[int]:
+    # 7 bytes: a non-negative int64 on the wire
+    return [
+        int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+        for _, text in parts
+    ]
 
 
 def _params(owner: Any) -> list[Tensor]:
@@ -166,7 +175,7 @@ def hand_over(live: Live, rounds: Rounds, joiners: tuple[int, ...]) -> tuple[int
         return None
     if owner._flat_state.stale:  # values written through opt.state: into the buffers first
         owner._flat_state.rebind(owner.state, owner.param_groups)
-    mine, head, lost = fit(owner), [rounds.count, live.slot, live.width], []
+    mine, head, lost = _hashes(fit(owner)), [rounds.count, live.slot, live.width], []
     for rank in joiners:
         try:
             same = give(live.membership, rank, mine, head, lambda: _payload(owner), _seconds(live))
@@ -184,17 +193,17 @@ def receive(owner: Any, resume: int) -> None:
     resumes at round ``resume``)."""
     live, rounds = owner._rounds.live, owner._rounds
     me, live.resume = live.membership.me, resume
-    payload = _payload(owner)
+    payload, parts = _payload(owner), fit(owner)
     try:
-        head = take(fit(owner), 3, payload, _seconds(live))
+        differ, head = take(_hashes(parts), 3, payload, _seconds(live))
     except (GossipError, RuntimeError) as err:
         raise MembershipError(f"[id {me}] the state transfer failed: {err}; join again") from err
-    if head is None:
+    if differ:
+        named = [f"{label} ({text})" for i, (label, text) in enumerate(parts) if differ >> i & 1]
         raise ValueError(
-            f"[id {me}] this optimizer differs from the running members' (its class, the "
-            "parameters' shapes, dtypes, names or order, the param groups' state keys, "
-            "local_steps, global_avg_every, the topology's name or compression=): build the "
-            "same model and optimizer as they did, then join again"
+            f"[id {me}] this optimizer differs from the running members' in "
+            f"{'; '.join(named)} (this newcomer's settings shown): build the same model and "
+            "optimizer as they did, then join again"
         )
     count, slot, width = head
     owner._flat.publish()

@@ -1,9 +1,10 @@
 """Checkpoints of local steps: the anchors and outer momentum, in ``state_dict()["decent_optim"]``.
 
 With ``local_steps > 1`` a rank's state includes what :mod:`~decent_optim.optim.local_steps`
-keeps per bucket besides the parameters (``LocalRounds.SAVED``): the anchor (what the rank last
-sent, or its outer parameters), with outer momentum the momentum buffer, and with
-``LocalOuterSGD`` the slow weights and their momentum. They are saved per parameter, in
+keeps per bucket besides the parameters (:meth:`LocalRounds.saved
+<decent_optim.optim.local_steps.LocalRounds.saved>`): the anchor (what the rank last sent, or
+its outer parameters) and what its period end owns (:mod:`~decent_optim.optim.outer`): with
+outer momentum the momentum buffer, with ``LocalOuterSGD`` the slow weights and their momentum. They are saved per parameter, in
 torch.optim's state-dict order, under the :data:`ENTRY` key of the package's entry, so that a
 resume in the middle of a period is exact. Every-step gossip saves nothing here.
 
@@ -40,8 +41,7 @@ def save(rounds: Rounds, params: list[Tensor]) -> dict[str, Any] | None:
     entry: dict[str, Any] = {"local_steps": rounds.local_steps, "outer": repr(rounds.setting)}
     if isinstance(rounds, UnevenRounds):  # where the uneven periods stand
         entry["uneven"] = rounds.schedule_state()
-    for key, attribute in rounds.SAVED.items():
-        flats = getattr(rounds, attribute)
+    for key, flats in rounds.saved().items():
         if flats is None:
             continue
         entry[key] = {
@@ -98,7 +98,7 @@ def restore(rounds: Rounds, entry: dict[str, Any] | None, params: list[Tensor]) 
     if isinstance(rounds, UnevenRounds):
         rounds.load_schedule_state(entry["uneven"])
     index = {id(p): i for i, p in enumerate(params)}
-    for key, attribute in rounds.SAVED.items():
+    for key in rounds.saved():
         saved = entry.get(key)
         if saved is None:
             continue
@@ -112,4 +112,4 @@ def restore(rounds: Rounds, entry: dict[str, Any] | None, params: list[Tensor]) 
                         f"{tuple(p.shape)} for parameter {index[id(p)]}"
                     )
                 view.copy_(value)
-        setattr(rounds, attribute, flats)
+        rounds.load_saved(key, flats)

@@ -18,6 +18,7 @@ from decent_optim.topologies import Topology
 
 if TYPE_CHECKING:
     from decent_optim.gossip.codec_base import Codec
+    from decent_optim.optim.schedules import Uneven
 
 __all__ = ["Options", "ParamsT", "with_defaults"]
 
@@ -42,6 +43,7 @@ class Options(TypedDict, total=False):
     compression: str | Codec | None
     local_steps: int
     outer: Any
+    uneven: bool | Uneven
     membership: Any
     on_membership_change: Any
 
