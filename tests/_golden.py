@@ -34,6 +34,7 @@ once its request is in the store, so that all of them see it at the same launch 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import signal
@@ -59,6 +60,8 @@ SCHEDULES = {
         "outer": ("OuterSGD", {"lr": 0.5, "momentum": 0.5, "nesterov": False}),
     },
     "H2+slow4": {"local_steps": 2, "outer": ("LocalOuterSGD", {"every": 4})},
+    # every 8: the join (at count 12) falls between two slow steps, where x and theta differ
+    "H2+slow8": {"local_steps": 2, "outer": ("LocalOuterSGD", {"every": 8})},
     "uneven1": {"local_steps": 2, "uneven": {"cap": 1}},
     "uneven1+slow3": {
         "local_steps": 2,
@@ -67,8 +70,10 @@ SCHEDULES = {
     },
 }
 CODECS = (None, "int8")
-#: the schedules that take membership= today
+#: the schedules that took membership= before issue 62
 LIVE = ("every", "H2", "uneven1")
+#: those that take it since (traced after they were built, checked against :func:`simulate`)
+LIVE_OUTER = ("H2+diloco", "H2+slow8")
 
 
 def _keywords(schedule: str) -> dict:
@@ -107,10 +112,6 @@ def _walk(value, path, out):
 
 
 def record(opt, params, count):
-    if os.environ.get("GOLDEN_DEBUG"):
-        parts = []
-        _walk(opt.state_dict(), "", parts)
-        return [count, [p.decode() for p in parts if p.startswith(b"/") and b"=" in p]]
     """One step's line of the trace."""
     import torch
 
@@ -202,6 +203,8 @@ def member(rank, world_size, path, schedule, codec):
         opt.zero_grad()
         count += 1
         trace.append(record(opt, params, count))
+        if os.environ.get("GOLDEN_DEBUG"):
+            trace[-1].append([float(v) for p in params for v in p.detach().reshape(-1)])
         if count == KILL_AT:
             opt.synchronize()
             trace.append(["synchronized", *record(opt, params, count)[1:]])
@@ -221,7 +224,8 @@ def member(rank, world_size, path, schedule, codec):
             if rank == 0:
                 store.set("go", "1")
             store.wait(["live/g1/change"], datetime.timedelta(seconds=120))
-    return {"trace": trace, "view": tuple(opt.membership)}
+    final = [float(v) for p in params for v in p.detach().reshape(-1)]
+    return {"trace": trace, "view": tuple(opt.membership), "final": final}
 
 
 def newcomer(path, schedule, codec):
@@ -238,6 +242,8 @@ def newcomer(path, schedule, codec):
     opt = _optimizer(params, schedule, codec, live)
     count = int(opt.state_dict()["decent_optim"]["step"])
     trace = [["joined", *record(opt, params, count)[1:]]]
+    if os.environ.get("GOLDEN_DEBUG"):
+        trace[-1].append([float(v) for p in params for v in p.detach().reshape(-1)])
     me = opt.membership.members[opt.membership.rank]
     going = _steps(opt, schedule)
     while going(count):
@@ -246,4 +252,102 @@ def newcomer(path, schedule, codec):
         opt.zero_grad()
         count += 1
         trace.append(record(opt, params, count))
-    return {"trace": trace, "view": tuple(opt.membership)}
+        if os.environ.get("GOLDEN_DEBUG"):
+            trace[-1].append([float(v) for p in params for v in p.detach().reshape(-1)])
+    final = [float(v) for p in params for v in p.detach().reshape(-1)]
+    return {"trace": trace, "view": tuple(opt.membership), "final": final}
+
+
+def simulate(schedule, steps=STEPS, kill_at=KILL_AT, join_at=JOIN_AT, history=None, transfer=True):
+    """The kill-and-join run of :func:`member` and :func:`newcomer` with ``local_steps=2`` and
+    ``outer=`` (``"H2+diloco"`` or ``"H2+slow<K>"``), without the package: dense float64, the
+    ring's mixing matrices on the members of each round, ``torch.optim.AdamW`` on each one's
+    own gradients; the final parameters by member id (0, 1, 3, then the newcomer 4).
+    ``transfer=False``: the newcomer starts its anchors, slow weights and outer momentum from
+    its parameters, as before issue 62 (to show that what it receives matters)."""
+    import torch
+
+    from decent_optim import topologies
+
+    H, diloco = 2, schedule == "H2+diloco"
+    K = None if diloco else SCHEDULES[schedule]["outer"][1]["every"]
+    lr, mu, nesterov = (0.7, 0.9, True) if diloco else (0.5, 0.7, True)
+    net = _live.model()
+    start = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+
+    def fresh(x):
+        p = torch.nn.Parameter(x.clone())
+        return {
+            "x": p,
+            "opt": torch.optim.AdamW([p], lr=_live.LR, foreach=False),
+            "a": x.clone(),
+            "b": None,
+            "theta": x.clone(),
+            "sb": None,
+            "pending": False,
+        }
+
+    def outer_step(theta, x, buf):  # torch.optim.SGD's, with the pseudo-gradient theta - x
+        delta = theta - x
+        buf = delta.clone() if buf is None else buf * mu + delta
+        theta -= lr * (delta + mu * buf if nesterov else buf)
+        x.copy_(theta)
+        return buf
+
+    def mix(members, ranks, k):
+        w = topologies.get("ring", len(ranks)).mixing_matrix(k).double()
+        mixed = w @ torch.stack([members[i]["a"] for i in ranks])
+        with torch.no_grad():
+            for row, i in zip(mixed, ranks):
+                m = members[i]
+                m["x"].add_(row - m["a"])
+                m["a"], m["pending"] = row.clone(), False
+
+    members = {i: fresh(start) for i in range(4)}
+    group = [0, 1, 2, 3]  # the ids of the ranks, in rank order
+    for c in range(steps):
+        grads = {}
+        for i in group:
+            torch.nn.utils.vector_to_parameters(members[i]["x"].detach().clone(), net.parameters())
+            net.zero_grad()
+            _live.loss(net, i, c).backward()
+            grads[i] = torch.cat([q.grad.reshape(-1) for q in net.parameters()])
+        if (c + 1) % H == 0 and any(members[i]["pending"] for i in group):
+            mix(members, group, c // H)  # the round launched at c + 1 - H
+        for i in group:
+            members[i]["x"].grad = grads[i]
+            members[i]["opt"].step()
+        with torch.no_grad():
+            for i in group:
+                m = members[i]
+                if K is not None and (c + 1) % K == 0:
+                    m["sb"] = outer_step(m["theta"], m["x"].data, m["sb"])
+                if (c + 1) % H == 0:
+                    if diloco:
+                        m["b"] = outer_step(m["a"], m["x"].data, m["b"])
+                    else:
+                        m["a"] = m["x"].detach().clone()
+        if c + 1 == join_at + 2:  # the newcomer: a copy of the source's (rank 0's) state
+            source, new = members[0], fresh(start)
+            new["x"].data.copy_(source["x"].data)
+            # deep: load_state_dict would share the source's tensors of equal dtype and device
+            new["opt"].load_state_dict(copy.deepcopy(source["opt"].state_dict()))
+            for key in ("a", "b", "theta", "sb"):
+                new[key] = None if source[key] is None else source[key].clone()
+                if not transfer:
+                    new[key] = new["x"].detach().clone() if key in ("a", "theta") else None
+            members[4] = new
+            group = [*group, 4]
+        if (c + 1) % H == 0:  # the round of the anchors
+            for i in group:
+                members[i]["pending"] = True
+            if diloco:
+                mix(members, group, (c + 1) // H)
+        if c + 1 in (kill_at, join_at) and any(members[i]["pending"] for i in group):
+            mix(members, group, (c + 1) // H)  # synchronize()
+        if history is not None:
+            for i in group:
+                history.setdefault(i, []).append(members[i]["x"].detach().clone())
+        if c + 1 == kill_at:
+            group = [i for i in group if i != VICTIM]
+    return {i: members[i]["x"].detach() for i in group}

@@ -58,11 +58,8 @@ def test_every_schedule_on_fixed_members_is_the_recorded_trace():
         _compare(f"fixed/{name}", [{"trace": r[name]} for r in results])
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("codec", _golden.CODECS, ids=str)
-@pytest.mark.parametrize("schedule", _golden.LIVE)
-def test_a_kill_and_a_join_are_the_recorded_trace(schedule, codec, tmp_path):
-    path = str(tmp_path)
+def _kill_and_join(path, schedule, codec):
+    """The members' and the newcomer's results of one kill-and-join run (``_golden.member``)."""
     alone = start_alone(_golden.newcomer, path, schedule, codec)
     try:
         members = run_world_fresh(
@@ -78,4 +75,32 @@ def test_a_kill_and_a_join_are_the_recorded_trace(schedule, codec, tmp_path):
         (2, (0, 1, 3, 4), 2, ()),
     ], members
     assert joined["view"] == (2, (0, 1, 3, 4), 3, ()), joined["view"]
-    _compare(f"live/{schedule}/{codec}", [*members, joined])
+    return [*members, joined]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("codec", _golden.CODECS, ids=str)
+@pytest.mark.parametrize("schedule", _golden.LIVE)
+def test_a_kill_and_a_join_are_the_recorded_trace(schedule, codec, tmp_path):
+    _compare(f"live/{schedule}/{codec}", _kill_and_join(str(tmp_path), schedule, codec))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", _golden.LIVE_OUTER)
+def test_outer_steps_through_a_kill_and_a_join_are_the_dense_reference(schedule, tmp_path):
+    """``outer=`` with ``membership=`` (issue 62): the survivors keep their own anchors, outer
+    momentum and slow weights; the newcomer receives the source's, as a resume would."""
+    import torch
+
+    results = _kill_and_join(str(tmp_path), schedule, None)
+    expected = _golden.simulate(schedule)
+    for got, member in zip([r for r in results if r is not None], (0, 1, 3, 4)):
+        want = expected[member]
+        torch.testing.assert_close(
+            torch.tensor(got["final"], dtype=torch.float64), want, rtol=0, atol=1e-10
+        )
+    # what the newcomer received mattered: started from its own parameters instead (anchors,
+    # slow weights and outer momentum), it and its neighbours end elsewhere
+    alone = _golden.simulate(schedule, transfer=False)
+    assert not torch.allclose(alone[4], expected[4], rtol=0, atol=1e-6)
+    _compare(f"live/{schedule}/None", results)

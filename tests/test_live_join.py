@@ -218,7 +218,7 @@ def test_a_join_a_refused_newcomer_and_a_kill(tmp_path):
 def _refusals(rank, world_size, path):
     import torch.distributed as dist
 
-    from decent_optim import DecentralizedAdamW
+    from decent_optim import DecentralizedAdamW, LocalOuterSGD
     from decent_optim.gossip.membership import Membership
 
     said = {}
@@ -229,7 +229,8 @@ def _refusals(rank, world_size, path):
     live = Membership(_store(path), prefix="live", timeout=TIMEOUT)
     live.joining = True  # as a newcomer's, for the settings' checks before anything is sent
     for name, kwargs in {
-        "outer": dict(local_steps=2, outer="diloco"),
+        # outer= with membership= is supported step-locked (issue 62), not with uneven=True
+        "outer": dict(local_steps=2, outer=LocalOuterSGD(), uneven=True),
         "process_group": dict(process_group=dist.group.WORLD),
     }.items():
         try:

@@ -11,10 +11,12 @@ the group). The constructor blocks until the members have let it in:
    ``0..n``, a new generation) -- the same agreement as after a loss (:mod:`~.live`);
 2. everyone exchanges step counts; gossip resumes at the largest, :math:`R`;
 3. at the end of the step in which it rebuilt, the new rank 0 (the *source*) checks that the
-   newcomer built the same optimizer (class, buckets, shapes, dtypes, state keys, schedule,
-   topology name, codec) and sends it, point to point over the new group, its parameters (the
+   newcomer built the same optimizer (class, buckets, shapes, dtypes, state keys, schedule
+   with its outer step and ``Uneven`` setting, ``global_avg_every``, topology name, codec:
+   :func:`fit`, part by part, so that a refusal names what differs) and sends it, point to point over the new group, its parameters (the
    flat buffers and the frozen ones), its optimizer state (every state buffer and the step
-   counters) and its step count :math:`c_0`; a newcomer that differs gets a ``ValueError`` and
+   counters), what its rounds keep as a checkpoint does (the anchors, outer momentum, slow
+   weights and their momentum) and its step count :math:`c_0`; a newcomer that differs gets a ``ValueError`` and
    is dropped by the members as a lost one;
 4. the newcomer builds the topology of the same name at the new size, counts from
    :math:`c_0` (its steps up to :math:`R` are its own, without gossip, as a survivor catching
@@ -159,8 +161,22 @@ def _payload(owner: Any) -> list[Tensor]:
         out += [b.state(key)[0] for key in owner.rule.keys(owner.param_groups[b.group_index])]
         if owner.rule.counts_steps:
             out.append(b.steps()[0])
+    out += [t for _, flats, _ in _saved(owner) for t in flats]
     bound = [bool(dict.get(owner.state, p)) for p in _params(owner)]
     return [*out, torch.tensor(bound, dtype=torch.uint8)]
+
+
+def _saved(owner: Any) -> list[tuple[str, list[Tensor], bool]]:
+    """What the rounds keep besides the parameters, as a checkpoint has it
+    (:meth:`~decent_optim.optim.local_steps.LocalRounds.saved`: the anchors, outer momentum,
+    slow weights and their momentum): per entry its key, one flat per bucket (zeros where it
+    is not taken yet, as on a newcomer) and whether it is taken."""
+    saved: dict[str, list[Tensor] | None] = getattr(owner._rounds, "saved", dict)()
+    buffers = owner._flat.buffers
+    return [
+        (key, [torch.zeros_like(b) for b in buffers] if flats is None else flats, flats is not None)
+        for key, flats in saved.items()
+    ]
 
 
 def _seconds(live: Live) -> float | None:
@@ -175,7 +191,8 @@ def hand_over(live: Live, rounds: Rounds, joiners: tuple[int, ...]) -> tuple[int
         return None
     if owner._flat_state.stale:  # values written through opt.state: into the buffers first
         owner._flat_state.rebind(owner.state, owner.param_groups)
-    mine, head, lost = _hashes(fit(owner)), [rounds.count, live.slot, live.width], []
+    taken = sum(1 << i for i, (_, _, there) in enumerate(_saved(owner)) if there)
+    mine, head, lost = _hashes(fit(owner)), [rounds.count, live.slot, live.width, taken], []
     for rank in joiners:
         try:
             same = give(live.membership, rank, mine, head, lambda: _payload(owner), _seconds(live))
@@ -195,7 +212,7 @@ def receive(owner: Any, resume: int) -> None:
     me, live.resume = live.membership.me, resume
     payload, parts = _payload(owner), fit(owner)
     try:
-        differ, head = take(_hashes(parts), 3, payload, _seconds(live))
+        differ, head = take(_hashes(parts), 4, payload, _seconds(live))
     except (GossipError, RuntimeError) as err:
         raise MembershipError(f"[id {me}] the state transfer failed: {err}; join again") from err
     if differ:
@@ -205,8 +222,14 @@ def receive(owner: Any, resume: int) -> None:
             f"{'; '.join(named)} (this newcomer's settings shown): build the same model and "
             "optimizer as they did, then join again"
         )
-    count, slot, width = head
+    count, slot, width, taken = head
     owner._flat.publish()
+    # the rounds' state, as a resume gets it (the received flats are the payload's own tensors)
+    flats = payload[len(payload) - 1 - sum(len(f) for _, f, _ in _saved(owner)) : -1]
+    for i, (key, mine, _) in enumerate(_saved(owner)):
+        part, flats = flats[: len(mine)], flats[len(mine) :]
+        if taken >> i & 1:
+            rounds.load_saved(key, part)
     bound, k = payload[-1], 0
     for b in owner._flat.buckets:
         keys = owner.rule.keys(owner.param_groups[b.group_index])
@@ -224,5 +247,4 @@ def receive(owner: Any, resume: int) -> None:
         rounds.anchor = [b.clone() for b in owner._flat.buffers]
     if isinstance(rounds, UnevenRounds):  # it launches round `resume` + 1 after its first step
         return uneven_live.enter(rounds, resume)
-    rounds._launch_round()  # round `count`, if the others launch it now (count >= resume)
-    rounds.record_versions()
+    rounds.enter()  # round `count`, if the others launch it now (count >= resume)

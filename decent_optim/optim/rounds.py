@@ -103,6 +103,12 @@ class Rounds:
         self._pending = self._start()
         self._sent = self.gossip.world_size > 1  # a world of one has no rounds to resend
 
+    def enter(self) -> None:
+        """A newcomer's first round, at the end of its optimizer's construction: round
+        :attr:`count` if the members launch it now (live membership decides)."""
+        self._launch_round()
+        self.record_versions()
+
     def _arrived(self, handle: GossipHandle, after: int) -> bool:
         """Whether ``handle``'s round arrived: always, but with live membership a round that
         failed is dropped and the group rebuilt (``after``: the count at this step's end)."""
