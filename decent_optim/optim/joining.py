@@ -56,7 +56,7 @@ from decent_optim.gossip.live import enter, give, take
 from decent_optim.gossip.membership import Membership as LiveMembership
 from decent_optim.gossip.membership import MembershipError
 from decent_optim.optim import startup, uneven_live
-from decent_optim.optim.membership import Membership
+from decent_optim.optim.param_owner import ParamOwner
 from decent_optim.optim.startup import Connected
 from decent_optim.optim.uneven import UnevenRounds
 
@@ -107,7 +107,7 @@ def connect(
         labels += ns if ns is not None else [None] * len(params)
     check_disjoint(every, labels)
     view, resume, group = enter(membership, timeout)
-    member = Membership(name, group, slot=0)  # the source's slot comes with the state
+    member = ParamOwner(name, group, slot=0)  # the source's slot comes with the state
     member.claim(every, labels)
     flat = FlatParams([[p for p in params if p.requires_grad] for params in groups], bucket_cap_mb)
     frozen = [p for p in every if not p.requires_grad]
