@@ -37,6 +37,8 @@ but the ordinary :class:`~decent_optim.optim.rounds.Rounds` (every-step gossip, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -45,7 +47,28 @@ from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
 from decent_optim.optim.outer import PeriodEnd
 from decent_optim.optim.rounds import Rounds
 
-__all__ = ["LocalRounds"]
+__all__ = ["LocalRounds", "Periods"]
+
+
+@dataclass(frozen=True)
+class Periods:
+    """When the periods of local steps end: every ``local_steps`` steps (the cadence part of
+    :class:`LocalRounds`). Another cadence is a subclass passed as ``local_steps=``; each
+    method answers for a step count, the same on every rank."""
+
+    local_steps: int
+
+    def ends(self, count: int) -> bool:
+        """Whether a period ends at ``count`` steps (its round is launched, the last mixed)."""
+        return count % self.local_steps == 0
+
+    def start(self, count: int) -> int:
+        """The step count at which the period holding ``count`` started."""
+        return count - count % self.local_steps
+
+    def index(self, count: int) -> int:
+        """Periods completed at ``count`` steps (the index of the round launched then)."""
+        return count // self.local_steps
 
 
 class LocalRounds(Rounds):
@@ -59,9 +82,11 @@ class LocalRounds(Rounds):
         global_avg_every: int | None,
         local_steps: int,
         end: PeriodEnd,
+        periods: Periods | None = None,
     ) -> None:
         super().__init__(gossip, flat, global_avg_every)
         self.local_steps, self.end = local_steps, end
+        self.periods = periods or Periods(local_steps)
         # taken from the parameters at the first step (not at construction: the model may still
         # be loaded between building the optimizer and stepping)
         self.anchor: list[Tensor] | None = None
@@ -86,14 +111,14 @@ class LocalRounds(Rounds):
     @property
     def round(self) -> int:
         """Periods completed (one round is launched at the end of each)."""
-        return self.count // self.local_steps
+        return self.periods.index(self.count)
 
     def take(self) -> None:  # type: ignore[override]
         """Before a step's update: at the end of a period, mix the round that travelled in."""
         self.check_free("step()")
         if self.anchor is None:
             self.anchor = [b.clone() for b in self._flat.buffers]
-        if (self.count + 1) % self.local_steps == 0:
+        if self.periods.ends(self.count + 1):
             self._mix_in(self.count + 1)
         self.end.start(self._flat.buffers)
         return None
@@ -105,7 +130,7 @@ class LocalRounds(Rounds):
         if self.end.crossed(self.count * n, (self.count + 1) * n, n):
             self.end.slow_step(self._flat.buffers)
         self.count += 1
-        if self.count % self.local_steps:
+        if not self.periods.ends(self.count):
             return
         assert self.anchor is not None  # take() ran first
         self.end.anchor_step(self._flat.buffers, self.anchor)
@@ -120,7 +145,7 @@ class LocalRounds(Rounds):
         """A newcomer's first round; where the period end waits for it (DiLoCo), mixed at once,
         as the members did in the step that took the newcomer in."""
         super().enter()
-        if self.end.waits and self.count % self.local_steps == 0:
+        if self.end.waits and self.periods.ends(self.count):
             self._mix_in(self.count)
 
     def synchronize(self) -> None:
@@ -180,11 +205,11 @@ class LocalRounds(Rounds):
 
     def _start(self) -> GossipHandle | None:
         # the round of period count // H, launched at its start (also when launched again)
-        start = self.count - self.count % self.local_steps
+        start = self.periods.start(self.count)
         every = self._every
         global_average = every is not None and start % every == 0
         assert self.anchor is not None
         handle = self.gossip.start(
-            self.anchor, start // self.local_steps, global_average=global_average
+            self.anchor, self.periods.index(start), global_average=global_average
         )
         return None if handle.is_noop else handle

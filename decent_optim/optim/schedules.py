@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, LocalGossiper
-from decent_optim.optim.local_steps import LocalRounds
+from decent_optim.optim.local_steps import LocalRounds, Periods
 from decent_optim.optim.outer import AnchorOuter, LocalOuterSGD, OuterSGD, PeriodEnd, SlowOuter
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.uneven import UnevenRounds
@@ -68,10 +68,12 @@ class Schedule:
     local_steps: int = 1
     outer: OuterSGD | LocalOuterSGD | None = None
     uneven: Uneven | None = None
+    #: another cadence than every ``local_steps`` steps (``local_steps=`` a Periods)
+    periods: Periods | None = None
 
     def describe(self) -> str:
         """The setting the ranks must agree on, as a string."""
-        text = f"{self.local_steps}, outer {self.outer!r}"
+        text = f"{self.periods or self.local_steps}, outer {self.outer!r}"
         return f"{text}, {self.uneven!r}" if self.uneven else text
 
 
@@ -82,6 +84,11 @@ def check(
     local_steps: object, outer: object, global_avg_every: int | None, uneven: object = False
 ) -> Schedule:
     """The validated schedule; a clear error for anything else."""
+    periods = None
+    if isinstance(local_steps, Periods) and type(local_steps) is not Periods:
+        periods, local_steps = local_steps, local_steps.local_steps  # another cadence
+        if uneven:
+            raise ValueError(f"uneven=True takes local_steps=an int, not {periods!r}")
     if isinstance(local_steps, bool) or not isinstance(local_steps, numbers.Integral):
         raise TypeError(
             f"local_steps must be an int (gossip every this many steps), got "
@@ -132,7 +139,7 @@ def check(
             "uneven=True does not take global_avg_every=: a global average makes every rank "
             "wait for the slowest, which uneven=True exists to avoid; pass global_avg_every=None"
         )
-    return Schedule(local_steps, outer, setting)
+    return Schedule(local_steps, outer, setting, periods)
 
 
 def make_rounds(
@@ -153,6 +160,6 @@ def make_rounds(
     if schedule.uneven is not None:
         cap, adaptive = schedule.uneven.cap, schedule.uneven.adaptive
         return UnevenRounds(gossip, flat, schedule.local_steps, cap, adaptive, end)
-    if schedule.local_steps == 1 and outer is None:
+    if schedule.local_steps == 1 and outer is None and schedule.periods is None:
         return Rounds(gossip, flat, global_avg_every)
-    return LocalRounds(gossip, flat, global_avg_every, schedule.local_steps, end)
+    return LocalRounds(gossip, flat, global_avg_every, schedule.local_steps, end, schedule.periods)
