@@ -22,6 +22,7 @@ module                                         what it does
 :mod:`~decent_optim.optim.schedules`           the keywords checked; the parts chosen
 :mod:`~decent_optim.optim.rounds`              every step: the round in flight, the counter
 :mod:`~decent_optim.optim.local_steps`         every ``local_steps`` steps, with anchors
+:mod:`~decent_optim.optim.doubling`            periods that double after a warm-up
 :mod:`~decent_optim.optim.uneven`              uneven periods: mixed once arrived
 :mod:`~decent_optim.optim.uneven_periods`      shorter periods for slow ranks
 :mod:`~decent_optim.optim.uneven_loop`         the loop uneven ranks write; round checks
