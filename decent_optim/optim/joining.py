@@ -55,16 +55,18 @@ from decent_optim.gossip import Gossiper, GossipError, codecs, comm_device
 from decent_optim.gossip.live import enter, give, take
 from decent_optim.gossip.membership import Membership as LiveMembership
 from decent_optim.gossip.membership import MembershipError
-from decent_optim.optim import startup, uneven_live
+from decent_optim.optim import startup
 from decent_optim.optim.param_owner import ParamOwner
 from decent_optim.optim.startup import Connected
-from decent_optim.optim.uneven import UnevenRounds
 
 if TYPE_CHECKING:
     import datetime
 
-    from decent_optim.optim.live import Live
     from decent_optim.optim.rounds import Rounds
+
+#: the live membership of an optimizer (:class:`decent_optim.optim.live.Live`, which calls
+#: :func:`hand_over`: named here without importing it, so that no import runs in a circle)
+Live = Any
 
 __all__ = ["connect", "finish", "fit", "hand_over", "receive", "starter"]
 
@@ -245,6 +247,6 @@ def receive(owner: Any, resume: int) -> None:
     rounds.count = count
     if getattr(rounds, "anchor", False) is None:  # local steps: what it sends is what it holds
         rounds.anchor = [b.clone() for b in owner._flat.buffers]
-    if isinstance(rounds, UnevenRounds):  # it launches round `resume` + 1 after its first step
-        return uneven_live.enter(rounds, resume)
-    rounds.enter()  # round `count`, if the others launch it now (count >= resume)
+    # step-locked: round `count`, if the others launch it now (count >= resume); uneven: it
+    # stands at round `resume` and launches round `resume` + 1 after its first step
+    rounds.enter(resume)

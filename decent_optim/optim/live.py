@@ -226,7 +226,7 @@ class Live:
     def send(self, rounds: Rounds) -> None:
         """Launch round ``rounds.count``, unless this rank is catching up after a change; first
         hand the state to newcomers, and look for a change asked for (a newcomer's)."""
-        rounds._pending, rounds._sent = None, False
+        rounds.drop()
         failed = self.hand_over(rounds)
         if failed is not None:
             self.recover(rounds, failed, rounds.count)
@@ -237,11 +237,10 @@ class Live:
         if rounds.count < self.resume:
             return
         try:
-            pending = rounds._start()
+            rounds.start_round()
         except GossipError as err:
             peers = err.peers
         else:
-            rounds._pending, rounds._sent = pending, rounds.gossip.world_size > 1
             return
         self.recover(rounds, peers, rounds.count)
         self.send(rounds)
@@ -254,7 +253,7 @@ class Live:
 
     def recover(self, rounds: Rounds, suspects: tuple[int, ...], after: int) -> None:
         """Steps 2-4 of the module docstring (``after``: this rank's count at the step's end)."""
-        rounds._pending, rounds._sent, rounds._versions = None, False, None
+        rounds.drop()
         if isinstance(rounds.gossip, Gossiper):
             rounds.gossip.watch = None  # of the old group, which is about to go
         before = set(self.view.members)

@@ -224,6 +224,27 @@ class UnevenRounds(LocalRounds):
         self.total, self.offset, self._stopped = None, 0.0, False
         self.period = self._next = self.local_steps
 
+    def regrouped(self, before: int) -> None:
+        """After live membership rebuilt the group (:mod:`~decent_optim.optim.uneven_live`, its
+        step 3): the round in flight and its sum dropped, stand at round ``live.resume``, the
+        progress carried over from the old group of ``before`` ranks, the periods restarted."""
+        assert self.live is not None
+        self._sum, self._waiter, self._out, self._relaunch = None, None, False, False
+        self.gossip.hint = HINT
+        self.launched = self.mixed = self.live.resume
+        if self.total is not None:
+            progress = self.total / before
+            self.total = progress * self.gossip.world_size
+            self.offset = progress - self.count_at_launch
+        self.period = self._next = self.local_steps
+
+    def enter(self, resume: int) -> None:
+        """A newcomer's rounds after its state arrived: at round ``resume``, the next launched
+        at the end of its first step."""
+        self.launched = self.mixed = resume
+        self.since = self.period = self._next = self.local_steps
+        self.gossip.hint = HINT  # on the gossiper at the members' size (Live.adopt)
+
     def schedule_state(self) -> dict[str, object]:
         """What a checkpoint keeps besides the anchors (see local_checkpoint)."""
         return {
