@@ -12,9 +12,8 @@ from decent_optim.optim.accum_adam import AccumAdam, AccumAdamW
 from decent_optim.optim.dadam import DecentralizedAdam, DecentralizedAdamW
 from decent_optim.optim.dsgd import DSGD
 from decent_optim.optim.engine import DecentralizedOptimizer
-from decent_optim.optim.local_steps import OuterSGD
+from decent_optim.optim.outer import LocalOuterSGD, OuterSGD
 from decent_optim.optim.schedules import Uneven
-from decent_optim.optim.slow_outer import LocalOuterSGD
 from decent_optim.topologies import Topology
 from decent_optim.wrappers import unwrap
 

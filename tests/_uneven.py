@@ -89,13 +89,13 @@ def run_uneven(rank, n, sleeps, budget, local_steps, options=None) -> Run:
     steps, mixed_at, totals = 0, [], []
     while not opt.stopped:
         time.sleep(sleeps[rank])
-        before = opt._rounds.mixed
+        before = opt.round  # rounds mixed
         train_step(model, opt, rank, steps)
-        if opt._rounds.mixed != before:
+        if opt.round != before:
             mixed_at.append(steps)
             totals.append(opt._rounds.total)
         steps += 1
-    return Run(vector(model), steps, mixed_at, opt.progress, opt._rounds.mixed, totals)
+    return Run(vector(model), steps, mixed_at, opt.progress, opt.round, totals)
 
 
 def run_in_time(rank, n, steps, options) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 import decent_optim as dopt
 from decent_optim.optim.agreement import Account, explain
-from decent_optim.optim.membership import Membership
+from decent_optim.optim.param_owner import ParamOwner
 
 #: an error must come well before the harness's 30 s process-group timeout
 PROMPT_S = 10.0
@@ -167,7 +167,7 @@ def _numbered(rank, world_size):
     it alone left, e.g. on an error it caught), then every rank builds one."""
     group = dist.new_group(list(range(world_size)))  # counted from 0: a group of this task
     if rank == 1:
-        Membership.number(group)
+        ParamOwner.number(group)
     return _attempt(dopt.DSGD, nn.Linear(3, 3).parameters(), lr=0.1, process_group=group)
 
 

@@ -499,7 +499,9 @@ def _lightning_train_and_resume(rank, world_size, out):
 
     trainer, module = _lightning_fit(out, epochs=3)
     opt = common.unwrap(trainer.optimizers[0])
-    in_flight_after_fit = opt._rounds.in_flight  # Lightning may destroy the group at exit
+    in_flight_after_fit = opt.state_dict()["decent_optim"][
+        "pending"
+    ]  # Lightning may destroy the group at exit
     consensus = opt.consensus_state_dict(module)
     reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     reference.load_state_dict({k[len("net.") :]: v for k, v in consensus.items()})

@@ -198,6 +198,9 @@ def test_a_join_a_refused_newcomer_and_a_kill(tmp_path):
     members, newcomer, refused = _run(str(tmp_path), 1, kill=(1, 11), second=7)
     said = refused["refused"]
     assert "differs from the running members'" in said and "join again" in said, said
+    # it names the part that differs (a Linear(3, 4) among Linear(3, 2)), and only that one
+    assert "in the parameters' shapes, dtypes or order ([(0, 'torch.float64', [(4, 3)" in said
+    assert "schedule" not in said and "topology" not in said, said
     assert members[1] is None
     # generation 1 took id 3 in, 2 took id 4 in, 3 dropped it (refused), 4 dropped id 1
     views = [(1, (0, 1, 2, 3)), (2, (0, 1, 2, 3, 4)), (3, (0, 1, 2, 3)), (4, (0, 2, 3))]
@@ -215,7 +218,7 @@ def test_a_join_a_refused_newcomer_and_a_kill(tmp_path):
 def _refusals(rank, world_size, path):
     import torch.distributed as dist
 
-    from decent_optim import DecentralizedAdamW
+    from decent_optim import DecentralizedAdamW, LocalOuterSGD
     from decent_optim.gossip.membership import Membership
 
     said = {}
@@ -226,7 +229,8 @@ def _refusals(rank, world_size, path):
     live = Membership(_store(path), prefix="live", timeout=TIMEOUT)
     live.joining = True  # as a newcomer's, for the settings' checks before anything is sent
     for name, kwargs in {
-        "outer": dict(local_steps=2, outer="diloco"),
+        # outer= with membership= is supported step-locked (issue 62), not with uneven=True
+        "outer": dict(local_steps=2, outer=LocalOuterSGD(), uneven=True),
         "process_group": dict(process_group=dist.group.WORLD),
     }.items():
         try:
@@ -249,3 +253,33 @@ def test_joining_refusals(tmp_path):
     assert not dist.is_initialized()  # this process is in no group: it may join, not be a member
     with pytest.raises(RuntimeError, match="pass join=True in a process that joins"):
         Membership(dist.FileStore(os.path.join(str(tmp_path), "alone"), -1), timeout=TIMEOUT)
+
+
+def test_the_settings_check_of_a_newcomer_covers_every_part():
+    """``joining.fit``: a newcomer whose ``Uneven(cap=...)``, outer step, ``local_steps`` or
+    ``global_avg_every`` differ from the members' differs in the part that names it; the same
+    settings are the same parts (issue 62: the cap and the outer step were not compared)."""
+    from decent_optim import DecentralizedAdamW, LocalOuterSGD, Uneven
+    from decent_optim.optim import joining
+
+    def parts(**kw):
+        model = _live.model()
+        return dict(joining.fit(DecentralizedAdamW(model.parameters(), lr=LR, **kw)))
+
+    members = parts(local_steps=2, uneven=Uneven(cap=8))
+    assert parts(local_steps=2, uneven=Uneven(cap=8)) == members
+    schedule = "the schedule (local_steps, outer=, uneven=)"
+    for other in (
+        dict(local_steps=2, uneven=Uneven(cap=2)),
+        dict(local_steps=2, uneven=Uneven(cap=8, adaptive=False)),
+        dict(local_steps=2, uneven=Uneven(cap=8), outer=LocalOuterSGD(every=4)),
+        dict(local_steps=4, uneven=Uneven(cap=8)),
+        dict(local_steps=2),
+    ):
+        theirs = parts(**other)
+        assert [k for k in members if members[k] != theirs[k]] == [schedule], other
+    slow = parts(local_steps=2, outer=LocalOuterSGD(every=4))
+    assert parts(local_steps=2, outer=LocalOuterSGD(every=8))[schedule] != slow[schedule]
+    assert parts(local_steps=2, outer="diloco")[schedule] != slow[schedule]
+    pga = parts(global_avg_every=4)
+    assert [k for k in pga if pga[k] != parts()[k]] == ["global_avg_every"]

@@ -291,14 +291,15 @@ def _checkpoint(rank, world, how, path, phase):
             before = _full(model)
             msd, osd = get_state_dict(model, opt)
             # a fresh optimizer: DCP would call step() on it if its state were empty
-            assert opt._rounds.count == 0 and not opt._rounds.in_flight
+            entry = opt.state_dict()["decent_optim"]  # the step counter, whether a round travels
+            assert entry["step"] == 0 and not entry["pending"]
             assert all(torch.equal(a, b) for a, b in zip(before, _full(model)))
             state = {"model": msd, "optim": osd}
             dcp.load(state, checkpoint_id=f"{path}/replica{replica}", process_group=shard_group)
             set_state_dict(
                 model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
             )
-            assert opt._rounds.count == 3
+            assert opt.state_dict()["decent_optim"]["step"] == 3
     _steps(model, opt, replica, 3, 3)
     return _full(model)
 
@@ -403,7 +404,7 @@ def _fp16_scaled(rank, world):
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-    return scaler.get_scale(), opt._rounds.count, _full(model)
+    return scaler.get_scale(), opt.state_dict()["decent_optim"]["step"], _full(model)
 
 
 def test_fp16_with_sharded_grad_scaler():

@@ -269,7 +269,7 @@ def test_outer_steps_with_a_round_of_their_own_are_refused(outer, match):
 def test_every_need_not_be_a_multiple_of_local_steps_with_uneven():
     outer = dopt.LocalOuterSGD(every=5)
     opt = dopt.DecentralizedAdamW(_model().parameters(), local_steps=3, uneven=True, outer=outer)
-    assert opt._rounds.setting == outer
+    assert opt.state_dict()["decent_optim"]["local_steps"]["outer"] == repr(outer)
     with pytest.raises(ValueError, match="multiple of local_steps=3"):  # step-locked: still
         dopt.DecentralizedAdamW(_model().parameters(), local_steps=3, outer=outer)
     with pytest.raises(TypeError, match="uneven must be True, False or a decent_optim.Uneven"):

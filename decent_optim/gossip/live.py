@@ -142,43 +142,48 @@ def enter(membership: Membership, timeout: datetime.timedelta | None) -> tuple[V
 def give(
     membership: Membership,
     rank: int,
-    fit: int,
+    fit: list[int],
     head: list[int],
     payload: Callable[[], list[Tensor]],
     timeout: float | None,
 ) -> bool:
-    """Hand newcomer ``rank`` the ``head`` (numbers) and, if its ``fit`` (a hash of what it
-    built) is this rank's, the tensors of ``payload()``. Returns whether the fits matched.
+    """Hand newcomer ``rank`` which of its ``fit`` (hashes of what it built, one per part)
+    differ from this rank's, the ``head`` (numbers) and, if none differs, the tensors of
+    ``payload()``. Returns whether the fits matched.
 
     Raises :class:`MembershipChanged` or the transport's ``RuntimeError`` (as
     :meth:`Membership.wait`).
     """
-    theirs = torch.zeros(1, dtype=torch.int64)
+    theirs = torch.zeros(len(fit), dtype=torch.int64)
     membership.wait([_p2p(dist.irecv, theirs, rank, TAG)], timeout)
-    same = int(theirs.item()) == fit
-    works = [_p2p(dist.isend, torch.tensor([int(same), *head]), rank, TAG + 1)]
-    if same:
+    differ = sum(1 << i for i, (a, b) in enumerate(zip(theirs.tolist(), fit)) if a != b)
+    works = [_p2p(dist.isend, torch.tensor([differ, *head]), rank, TAG + 1)]
+    if not differ:
         works += [_p2p(dist.isend, t, rank, TAG + 2 + i) for i, t in enumerate(payload())]
     membership.wait(works, timeout)
-    return same
+    return not differ
 
 
-def take(fit: int, heads: int, payload: list[Tensor], timeout: float | None) -> list[int] | None:
-    """A newcomer's side of :func:`give` (from rank 0): the ``heads`` numbers of the head, with
-    ``payload`` filled; None, and this rank has left the group, if the fits differ.
+def take(
+    fit: list[int], heads: int, payload: list[Tensor], timeout: float | None
+) -> tuple[int, list[int]]:
+    """A newcomer's side of :func:`give` (from rank 0): which parts of ``fit`` differ (a bit
+    mask, bit ``i`` for ``fit[i]``) and the ``heads`` numbers of the head, with ``payload``
+    filled where none differs; where some differ, this rank has left the group.
 
     Its waits are not cut short by a change another member starts: what was sent arrives
     anyway (a newcomer in the group takes part in the change at its first round), and a
     source that gave up sends nothing more, which ends in the transport's timeout.
     """
     head = torch.zeros(1 + heads, dtype=torch.int64)
-    mine = torch.tensor([fit], dtype=torch.int64)
+    mine = torch.tensor(fit, dtype=torch.int64)
     waits([_p2p(dist.isend, mine, 0, TAG), _p2p(dist.irecv, head, 0, TAG + 1)], timeout)()
-    if not head[0]:
+    differ = int(head[0])
+    if differ:
         dist.destroy_process_group()  # the members drop this rank as a lost one
-        return None
+        return differ, []
     waits([_p2p(dist.irecv, t, 0, TAG + 2 + i) for i, t in enumerate(payload)], timeout)()
-    return [int(v) for v in head[1:].tolist()]
+    return 0, [int(v) for v in head[1:].tolist()]
 
 
 def _p2p(op: Callable[..., dist.Work | None], tensor: Tensor, peer: int, tag: int) -> dist.Work:

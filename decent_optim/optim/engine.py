@@ -33,9 +33,9 @@ from decent_optim.optim.consensus import ConsensusViews
 from decent_optim.optim.facts import WorkerFacts
 from decent_optim.optim.failure import FailureLatch, guarded
 from decent_optim.optim.inputs import AveragedCheck
-from decent_optim.optim.local_steps import OuterSGD
+from decent_optim.optim.local_steps import Periods
 from decent_optim.optim.options import ParamsT, with_defaults
-from decent_optim.optim.slow_outer import LocalOuterSGD
+from decent_optim.optim.outer import LocalOuterSGD, OuterSGD
 from decent_optim.optim.state import FlatState
 from decent_optim.optim.state_dicts import StateDicts
 from decent_optim.rules.base import UpdateRule
@@ -113,7 +113,8 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, 
             topology) and memory for the copies; see :doc:`/algorithms` ("Compressed gossip").
         local_steps: gossip every this many steps instead of every step (default 1). The round
             launched at the end of a period of ``local_steps`` steps travels during the whole
-            next period and is mixed in at its end; one extra parameter-sized buffer.
+            next period and is mixed in at its end; one extra parameter-sized buffer. Another
+            cadence of periods: a :class:`~decent_optim.optim.local_steps.Periods` subclass.
         outer: None (default), a :class:`~decent_optim.LocalOuterSGD` (recommended with
             ``local_steps``: every ``every`` steps an outer Nesterov step on each rank's own
             slow weights, with no round of its own, so no waiting; two more buffers), or
@@ -171,7 +172,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, 
         differentiable: bool = False,
         fused: bool | None = None,
         compression: str | Codec | None = None,
-        local_steps: int = 1,
+        local_steps: int | Periods = 1,
         outer: OuterSGD | LocalOuterSGD | str | None = None,
         uneven: bool | schedules.Uneven = False,
         membership: LiveMembership | None = None,
@@ -215,6 +216,8 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, 
         self.topology, self._member = start.topology, start.member
         self._where = (start.group, start.device)  # of load_state_dict's cross-check
         self._flat, self._frozen, self._stash = start.flat, start.frozen, start.stash
+        # what a newcomer must have alike (joining.fit)
+        self._schedule, self._global_avg_every = period, global_avg_every
         self._rounds = schedules.make_rounds(start.gossip, start.flat, global_avg_every, period)
         self._rounds.live = live.attach(
             self, start, membership, on_membership_change, topology, compression

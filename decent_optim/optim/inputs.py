@@ -12,13 +12,13 @@ from torch import Tensor
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, LocalGossiper
-from decent_optim.optim.membership import Membership
+from decent_optim.optim.param_owner import ParamOwner
 
 __all__ = ["ALREADY_AVERAGED", "AveragedCheck", "check_membership", "gradients"]
 
 
 def check_membership(
-    member: Membership, groups: list[dict[str, Any]], built: list[list[Tensor]]
+    member: ParamOwner, groups: list[dict[str, Any]], built: list[list[Tensor]]
 ) -> None:
     """Raise unless the optimizer still owns its parameters and ``param_groups`` holds exactly
     the parameters it was built with (``built``, per group)."""

@@ -11,10 +11,12 @@ the group). The constructor blocks until the members have let it in:
    ``0..n``, a new generation) -- the same agreement as after a loss (:mod:`~.live`);
 2. everyone exchanges step counts; gossip resumes at the largest, :math:`R`;
 3. at the end of the step in which it rebuilt, the new rank 0 (the *source*) checks that the
-   newcomer built the same optimizer (class, buckets, shapes, dtypes, state keys, schedule,
-   topology name, codec) and sends it, point to point over the new group, its parameters (the
+   newcomer built the same optimizer (class, buckets, shapes, dtypes, state keys, schedule
+   with its outer step and ``Uneven`` setting, ``global_avg_every``, topology name, codec:
+   :func:`fit`, part by part, so that a refusal names what differs) and sends it, point to point over the new group, its parameters (the
    flat buffers and the frozen ones), its optimizer state (every state buffer and the step
-   counters) and its step count :math:`c_0`; a newcomer that differs gets a ``ValueError`` and
+   counters), what its rounds keep as a checkpoint does (the anchors, outer momentum, slow
+   weights and their momentum) and its step count :math:`c_0`; a newcomer that differs gets a ``ValueError`` and
    is dropped by the members as a lost one;
 4. the newcomer builds the topology of the same name at the new size, counts from
    :math:`c_0` (its steps up to :math:`R` are its own, without gossip, as a survivor catching
@@ -53,16 +55,18 @@ from decent_optim.gossip import Gossiper, GossipError, codecs, comm_device
 from decent_optim.gossip.live import enter, give, take
 from decent_optim.gossip.membership import Membership as LiveMembership
 from decent_optim.gossip.membership import MembershipError
-from decent_optim.optim import startup, uneven_live
-from decent_optim.optim.membership import Membership
+from decent_optim.optim import startup
+from decent_optim.optim.param_owner import ParamOwner
 from decent_optim.optim.startup import Connected
-from decent_optim.optim.uneven import UnevenRounds
 
 if TYPE_CHECKING:
     import datetime
 
-    from decent_optim.optim.live import Live
     from decent_optim.optim.rounds import Rounds
+
+#: the live membership of an optimizer (:class:`decent_optim.optim.live.Live`, which calls
+#: :func:`hand_over`: named here without importing it, so that no import runs in a circle)
+Live = Any
 
 __all__ = ["connect", "finish", "fit", "hand_over", "receive", "starter"]
 
@@ -105,7 +109,7 @@ def connect(
         labels += ns if ns is not None else [None] * len(params)
     check_disjoint(every, labels)
     view, resume, group = enter(membership, timeout)
-    member = Membership(name, group, slot=0)  # the source's slot comes with the state
+    member = ParamOwner(name, group, slot=0)  # the source's slot comes with the state
     member.claim(every, labels)
     flat = FlatParams([[p for p in params if p.requires_grad] for params in groups], bucket_cap_mb)
     frozen = [p for p in every if not p.requires_grad]
@@ -114,28 +118,37 @@ def connect(
     return Connected(gossip, topo, flat, frozen, None, member, group, comm_device(group), resume)
 
 
-def fit(owner: Any) -> int:
-    """A hash of what the transfer needs alike on both sides (step 3 of the module docstring)."""
-    rounds, live = owner._rounds, owner._rounds.live
+def fit(owner: Any) -> list[tuple[str, str]]:
+    """What the transfer needs alike on both sides (step 3 of the module docstring), part by
+    part: a label for the refusal's message, and the setting as text."""
+    live = owner._rounds.live
     layout = [
         (b.group_index, str(b.dtype), [tuple(p.shape) for p in b.params])
         for b in owner._flat.buckets
     ]
-    text = repr(
-        (
-            type(owner).__name__,
-            type(rounds).__name__,
-            getattr(rounds, "local_steps", 1),
-            rounds._every,
-            live.topology,
-            None if live.compression is None else codecs.get(live.compression).name,
-            layout,
-            [owner.rule.keys(g) for g in owner.param_groups],
-            [g.get("param_names") for g in owner.param_groups],
-            [(tuple(t.shape), str(t.dtype)) for t in owner._frozen],
-        )
-    )
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+    # (a world of one, which has no live membership, for the tests of the parts)
+    topology = repr(owner.topology) if live is None else live.topology
+    compression = None if live is None else live.compression
+    codec = None if compression is None else codecs.get(compression).name
+    return [
+        ("the class", type(owner).__name__),
+        ("the parameters' shapes, dtypes or order", repr(layout)),
+        ("the param groups' state keys", repr([owner.rule.keys(g) for g in owner.param_groups])),
+        ("the parameters' names", repr([g.get("param_names") for g in owner.param_groups])),
+        ("the frozen parameters", repr([(tuple(t.shape), str(t.dtype)) for t in owner._frozen])),
+        ("the schedule (local_steps, outer=, uneven=)", owner._schedule.describe()),
+        ("global_avg_every", repr(owner._global_avg_every)),
+        ("the topology's name", topology),
+        ("compression=", repr(codec)),
+    ]
+
+
+def _hashes(parts: list[tuple[str, str]]) -> list[int]:
+    # 7 bytes: a non-negative int64 on the wire
+    return [
+        int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+        for _, text in parts
+    ]
 
 
 def _params(owner: Any) -> list[Tensor]:
@@ -150,8 +163,22 @@ def _payload(owner: Any) -> list[Tensor]:
         out += [b.state(key)[0] for key in owner.rule.keys(owner.param_groups[b.group_index])]
         if owner.rule.counts_steps:
             out.append(b.steps()[0])
+    out += [t for _, flats, _ in _saved(owner) for t in flats]
     bound = [bool(dict.get(owner.state, p)) for p in _params(owner)]
     return [*out, torch.tensor(bound, dtype=torch.uint8)]
+
+
+def _saved(owner: Any) -> list[tuple[str, list[Tensor], bool]]:
+    """What the rounds keep besides the parameters, as a checkpoint has it
+    (:meth:`~decent_optim.optim.local_steps.LocalRounds.saved`: the anchors, outer momentum,
+    slow weights and their momentum): per entry its key, one flat per bucket (zeros where it
+    is not taken yet, as on a newcomer) and whether it is taken."""
+    saved: dict[str, list[Tensor] | None] = getattr(owner._rounds, "saved", dict)()
+    buffers = owner._flat.buffers
+    return [
+        (key, [torch.zeros_like(b) for b in buffers] if flats is None else flats, flats is not None)
+        for key, flats in saved.items()
+    ]
 
 
 def _seconds(live: Live) -> float | None:
@@ -166,7 +193,8 @@ def hand_over(live: Live, rounds: Rounds, joiners: tuple[int, ...]) -> tuple[int
         return None
     if owner._flat_state.stale:  # values written through opt.state: into the buffers first
         owner._flat_state.rebind(owner.state, owner.param_groups)
-    mine, head, lost = fit(owner), [rounds.count, live.slot, live.width], []
+    taken = sum(1 << i for i, (_, _, there) in enumerate(_saved(owner)) if there)
+    mine, head, lost = _hashes(fit(owner)), [rounds.count, live.slot, live.width, taken], []
     for rank in joiners:
         try:
             same = give(live.membership, rank, mine, head, lambda: _payload(owner), _seconds(live))
@@ -184,20 +212,26 @@ def receive(owner: Any, resume: int) -> None:
     resumes at round ``resume``)."""
     live, rounds = owner._rounds.live, owner._rounds
     me, live.resume = live.membership.me, resume
-    payload = _payload(owner)
+    payload, parts = _payload(owner), fit(owner)
     try:
-        head = take(fit(owner), 3, payload, _seconds(live))
+        differ, head = take(_hashes(parts), 4, payload, _seconds(live))
     except (GossipError, RuntimeError) as err:
         raise MembershipError(f"[id {me}] the state transfer failed: {err}; join again") from err
-    if head is None:
+    if differ:
+        named = [f"{label} ({text})" for i, (label, text) in enumerate(parts) if differ >> i & 1]
         raise ValueError(
-            f"[id {me}] this optimizer differs from the running members' (its class, the "
-            "parameters' shapes, dtypes, names or order, the param groups' state keys, "
-            "local_steps, global_avg_every, the topology's name or compression=): build the "
-            "same model and optimizer as they did, then join again"
+            f"[id {me}] this optimizer differs from the running members' in "
+            f"{'; '.join(named)} (this newcomer's settings shown): build the same model and "
+            "optimizer as they did, then join again"
         )
-    count, slot, width = head
+    count, slot, width, taken = head
     owner._flat.publish()
+    # the rounds' state, as a resume gets it (the received flats are the payload's own tensors)
+    flats = payload[len(payload) - 1 - sum(len(f) for _, f, _ in _saved(owner)) : -1]
+    for i, (key, mine, _) in enumerate(_saved(owner)):
+        part, flats = flats[: len(mine)], flats[len(mine) :]
+        if taken >> i & 1:
+            rounds.load_saved(key, part)
     bound, k = payload[-1], 0
     for b in owner._flat.buckets:
         keys = owner.rule.keys(owner.param_groups[b.group_index])
@@ -213,7 +247,6 @@ def receive(owner: Any, resume: int) -> None:
     rounds.count = count
     if getattr(rounds, "anchor", False) is None:  # local steps: what it sends is what it holds
         rounds.anchor = [b.clone() for b in owner._flat.buffers]
-    if isinstance(rounds, UnevenRounds):  # it launches round `resume` + 1 after its first step
-        return uneven_live.enter(rounds, resume)
-    rounds._launch_round()  # round `count`, if the others launch it now (count >= resume)
-    rounds.record_versions()
+    # step-locked: round `count`, if the others launch it now (count >= resume); uneven: it
+    # stands at round `resume` and launches round `resume` + 1 after its first step
+    rounds.enter(resume)

@@ -42,8 +42,10 @@ every member (a newcomer too) builds its new gossiper with the same codec and no
 the first round of each new group sends exact values on all of them alike, as after a resume at
 another world size, and the copies are rebuilt from there.
 
-Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H`` without
-``outer`` -- and ``uneven=True`` without ``outer`` (:mod:`~decent_optim.optim.uneven_live`),
+Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H`` with or
+without ``outer`` (the outer step on the anchors, or on each rank's slow weights: each
+survivor keeps its own; a newcomer receives the source's, as a resume would) -- and
+``uneven=True`` without ``outer`` (:mod:`~decent_optim.optim.uneven_live`),
 with exact or compressed gossip, over the default process group, a topology given by
 name, and one decentralized optimizer per process. Everything else is refused when the
 optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
@@ -80,9 +82,9 @@ __all__ = ["Live", "attach", "check", "superseded", "topology_for"]
 
 #: the settings live membership supports, for the refusals' messages
 SUPPORTED = (
-    "membership= supports local_steps=1, or local_steps=H with outer=None (uneven=True too), "
-    "exact or with compression=, over the default process group (process_group=None) and a "
-    "topology given by name"
+    "membership= supports local_steps=1, or local_steps=H with any outer= (uneven=True with "
+    "outer=None), exact or with compression=, over the default process group "
+    "(process_group=None) and a topology given by name"
 )
 
 
@@ -106,8 +108,8 @@ def check(
     if on_change is not None and not callable(on_change):
         raise TypeError(f"on_membership_change= must be callable, got {on_change!r}")
     refused = []
-    if schedule.outer is not None:
-        refused.append(f"outer={schedule.outer!r}")
+    if schedule.outer is not None and schedule.uneven is not None:
+        refused.append(f"outer={schedule.outer!r} with uneven=True")
     if process_group is not None:
         refused.append("process_group= (the survivors rebuild the default group)")
     if not isinstance(topology, str):
@@ -224,7 +226,7 @@ class Live:
     def send(self, rounds: Rounds) -> None:
         """Launch round ``rounds.count``, unless this rank is catching up after a change; first
         hand the state to newcomers, and look for a change asked for (a newcomer's)."""
-        rounds._pending, rounds._sent = None, False
+        rounds.drop()
         failed = self.hand_over(rounds)
         if failed is not None:
             self.recover(rounds, failed, rounds.count)
@@ -235,11 +237,10 @@ class Live:
         if rounds.count < self.resume:
             return
         try:
-            pending = rounds._start()
+            rounds.start_round()
         except GossipError as err:
             peers = err.peers
         else:
-            rounds._pending, rounds._sent = pending, rounds.gossip.world_size > 1
             return
         self.recover(rounds, peers, rounds.count)
         self.send(rounds)
@@ -252,7 +253,7 @@ class Live:
 
     def recover(self, rounds: Rounds, suspects: tuple[int, ...], after: int) -> None:
         """Steps 2-4 of the module docstring (``after``: this rank's count at the step's end)."""
-        rounds._pending, rounds._sent, rounds._versions = None, False, None
+        rounds.drop()
         if isinstance(rounds.gossip, Gossiper):
             rounds.gossip.watch = None  # of the old group, which is about to go
         before = set(self.view.members)

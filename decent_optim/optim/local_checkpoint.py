@@ -1,9 +1,10 @@
 """Checkpoints of local steps: the anchors and outer momentum, in ``state_dict()["decent_optim"]``.
 
 With ``local_steps > 1`` a rank's state includes what :mod:`~decent_optim.optim.local_steps`
-keeps per bucket besides the parameters (``LocalRounds.SAVED``): the anchor (what the rank last
-sent, or its outer parameters), with outer momentum the momentum buffer, and with
-``LocalOuterSGD`` the slow weights and their momentum. They are saved per parameter, in
+keeps per bucket besides the parameters (:meth:`LocalRounds.saved
+<decent_optim.optim.local_steps.LocalRounds.saved>`): the anchor (what the rank last sent, or
+its outer parameters) and what its period end owns (:mod:`~decent_optim.optim.outer`): with
+outer momentum the momentum buffer, with ``LocalOuterSGD`` the slow weights and their momentum. They are saved per parameter, in
 torch.optim's state-dict order, under the :data:`ENTRY` key of the package's entry, so that a
 resume in the middle of a period is exact. Every-step gossip saves nothing here.
 
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from decent_optim.optim.local_steps import LocalRounds
+from decent_optim.optim.local_steps import LocalRounds, Periods
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.uneven import UnevenRounds
 
@@ -38,10 +39,11 @@ def save(rounds: Rounds, params: list[Tensor]) -> dict[str, Any] | None:
         return None
     index = {id(p): i for i, p in enumerate(params)}
     entry: dict[str, Any] = {"local_steps": rounds.local_steps, "outer": repr(rounds.setting)}
+    if _cadence(rounds) is not None:  # another cadence than every local_steps steps
+        entry["periods"] = _cadence(rounds)
     if isinstance(rounds, UnevenRounds):  # where the uneven periods stand
         entry["uneven"] = rounds.schedule_state()
-    for key, attribute in rounds.SAVED.items():
-        flats = getattr(rounds, attribute)
+    for key, flats in rounds.saved().items():
         if flats is None:
             continue
         entry[key] = {
@@ -83,12 +85,18 @@ def check(rounds: Rounds, entry: Any) -> None:
     if not isinstance(entry, dict) or "local_steps" not in entry:
         raise ValueError(f"state_dict['decent_optim'][{ENTRY!r}] is not what state_dict() saved")
     saved = (entry["local_steps"], entry.get("outer"), "uneven" in entry)
-    if saved != (local, outer, uneven):
+    if saved != (local, outer, uneven) or entry.get("periods") != _cadence(rounds):
         raise ValueError(
             f"the checkpoint was saved with local_steps={saved[0]}, outer={saved[1]}, "
             f"uneven={saved[2]}; this optimizer has local_steps={local}, outer={outer}, "
             f"uneven={uneven}: build it with the settings of the saved run"
         )
+
+
+def _cadence(rounds: Rounds) -> str | None:
+    """The cadence of ``rounds`` as a checkpoint records it: None for every ``local_steps``."""
+    periods = getattr(rounds, "periods", None)
+    return None if periods is None or type(periods) is Periods else repr(periods)
 
 
 def restore(rounds: Rounds, entry: dict[str, Any] | None, params: list[Tensor]) -> None:
@@ -98,7 +106,7 @@ def restore(rounds: Rounds, entry: dict[str, Any] | None, params: list[Tensor]) 
     if isinstance(rounds, UnevenRounds):
         rounds.load_schedule_state(entry["uneven"])
     index = {id(p): i for i, p in enumerate(params)}
-    for key, attribute in rounds.SAVED.items():
+    for key in rounds.saved():
         saved = entry.get(key)
         if saved is None:
             continue
@@ -112,4 +120,4 @@ def restore(rounds: Rounds, entry: dict[str, Any] | None, params: list[Tensor]) 
                         f"{tuple(p.shape)} for parameter {index[id(p)]}"
                     )
                 view.copy_(value)
-        setattr(rounds, attribute, flats)
+        rounds.load_saved(key, flats)

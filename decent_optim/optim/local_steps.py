@@ -28,15 +28,15 @@ disagreement of the :math:`\theta_i` by :math:`W` every round; the derivation is
 ``docs/algorithms.rst`` ("Local steps"). ``outer=OuterSGD(lr=1, momentum=0)`` is the plain mode.
 
 The anchors travel, never the parameters, so parameters may be written at any time; the anchor
-is never written while its round travels. Checkpoints of the anchors:
-:mod:`~decent_optim.optim.local_checkpoint`. ``local_steps=1`` without ``outer`` is not this class
+is never written while its round travels. What happens at a period's end (nothing, the outer
+step on the anchors above, or one on each rank's slow weights) is a part of its own,
+:mod:`~decent_optim.optim.outer`, which owns its state. Checkpoints of the anchors and of that
+state: :mod:`~decent_optim.optim.local_checkpoint`. ``local_steps=1`` without ``outer`` is not this class
 but the ordinary :class:`~decent_optim.optim.rounds.Rounds` (every-step gossip, bit for bit).
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -44,68 +44,36 @@ from torch import Tensor
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
+from decent_optim.optim.outer import PeriodEnd
 from decent_optim.optim.rounds import Rounds
 
-__all__ = ["OuterSGD", "LocalRounds", "check_outer_rates", "sgd_outer_step"]
+__all__ = ["LocalRounds", "Periods"]
 
 
 @dataclass(frozen=True)
-class OuterSGD:
-    """The outer optimizer of ``outer=``: torch.optim.SGD's momentum step on the pseudo-gradient.
+class Periods:
+    """When the periods of local steps end: every ``local_steps`` steps (the cadence part of
+    :class:`LocalRounds`). Another cadence is a subclass passed as ``local_steps=``; each
+    method answers for a step count, the same on every rank."""
 
-    ``outer="diloco"`` is ``OuterSGD(lr=0.7, momentum=0.9, nesterov=True)``, DiLoCo's published
-    setting (Douillard et al. 2023). ``OuterSGD(lr=1.0, momentum=0.0, nesterov=False)`` is the
-    plain mode (the anchor is the parameters).
-    """
+    local_steps: int
 
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
+    def ends(self, count: int) -> bool:
+        """Whether a period ends at ``count`` steps (its round is launched, the last mixed)."""
+        return count % self.local_steps == 0
 
-    def __post_init__(self) -> None:
-        check_outer_rates("OuterSGD", self.lr, self.momentum, self.nesterov)
-        # plain numbers (numpy's too), so that the setting a checkpoint records reads alike
-        object.__setattr__(self, "lr", float(self.lr))
-        object.__setattr__(self, "momentum", float(self.momentum))
+    def start(self, count: int) -> int:
+        """The step count at which the period holding ``count`` started."""
+        return count - count % self.local_steps
 
-
-def check_outer_rates(owner: str, lr: object, momentum: object, nesterov: object) -> None:
-    """The checks every outer-step setting shares, with errors naming ``owner``."""
-    for name, value in (("lr", lr), ("momentum", momentum)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{owner}.{name} must be a number, got {type(value).__name__}")
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{owner}.{name} must be a finite number >= 0, got {value!r}")
-    if not lr > 0:  # type: ignore[operator]
-        raise ValueError(f"{owner}.lr must be > 0, got {lr!r} (0 would never move)")
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"{owner}.nesterov must be a bool, got {nesterov!r}")
-    if nesterov and momentum == 0:
-        raise ValueError(f"{owner}: Nesterov needs a momentum > 0 (or pass nesterov=False)")
-
-
-def sgd_outer_step(
-    theta: Tensor, x: Tensor, buf: Tensor | None, lr: float, momentum: float, nesterov: bool
-) -> Tensor | None:
-    """torch.optim.SGD's step on ``theta`` with the pseudo-gradient ``theta - x``, then
-    ``x = theta``. Returns the momentum buffer (None without momentum)."""
-    delta = torch.sub(theta, x)
-    step = delta
-    if momentum:
-        # as torch.optim.SGD: the buffer starts as the first gradient
-        buf = delta.clone() if buf is None else buf.mul_(momentum).add_(delta)
-        step = delta.add_(buf, alpha=momentum) if nesterov else buf
-    theta.sub_(step, alpha=lr)
-    x.copy_(theta)
-    return buf
+    def index(self, count: int) -> int:
+        """Periods completed at ``count`` steps (the index of the round launched then)."""
+        return count // self.local_steps
 
 
 class LocalRounds(Rounds):
-    """The rounds of the module docstring: one every ``local_steps`` steps, carrying the anchors."""
-
-    #: what a checkpoint keeps besides the parameters: its key -> the attribute (a flat per
-    #: bucket, or None), see :mod:`~decent_optim.optim.local_checkpoint`
-    SAVED = {"anchor": "anchor", "outer_momentum": "momentum"}
+    """The rounds of the module docstring: one every ``local_steps`` steps, carrying the anchors,
+    and ``end`` (:mod:`~decent_optim.optim.outer`) at the end of each period."""
 
     def __init__(
         self,
@@ -113,58 +81,71 @@ class LocalRounds(Rounds):
         flat: FlatParams,
         global_avg_every: int | None,
         local_steps: int,
-        outer: OuterSGD | None,
+        end: PeriodEnd,
+        periods: Periods | None = None,
     ) -> None:
         super().__init__(gossip, flat, global_avg_every)
-        self.local_steps, self.outer = local_steps, outer
+        self.local_steps, self.end = local_steps, end
+        self.periods = periods or Periods(local_steps)
         # taken from the parameters at the first step (not at construction: the model may still
         # be loaded between building the optimizer and stepping)
         self.anchor: list[Tensor] | None = None
-        self.momentum: list[Tensor] | None = None  # outer momentum, from the first outer step
 
     @property
     def setting(self) -> object:
         """The outer setting a checkpoint records and a resume must match."""
-        return self.outer
+        return self.end.setting
+
+    def saved(self) -> dict[str, list[Tensor] | None]:
+        """What a checkpoint keeps besides the parameters, one flat per bucket (None: not
+        taken yet), by its key (:mod:`~decent_optim.optim.local_checkpoint`)."""
+        return {"anchor": self.anchor, **self.end.state()}
+
+    def load_saved(self, key: str, flats: list[Tensor]) -> None:
+        """Take back one entry of :meth:`saved`."""
+        if key == "anchor":
+            self.anchor = flats
+        else:
+            self.end.load(key, flats)
 
     @property
     def round(self) -> int:
         """Periods completed (one round is launched at the end of each)."""
-        return self.count // self.local_steps
+        return self.periods.index(self.count)
 
     def take(self) -> None:  # type: ignore[override]
         """Before a step's update: at the end of a period, mix the round that travelled in."""
         self.check_free("step()")
         if self.anchor is None:
             self.anchor = [b.clone() for b in self._flat.buffers]
-        if (self.count + 1) % self.local_steps == 0:
+        if self.periods.ends(self.count + 1):
             self._mix_in(self.count + 1)
+        self.end.start(self._flat.buffers)
         return None
 
     def launch(self) -> None:
-        """Count a completed step; at the end of a period take the outer step and send."""
+        """Count a completed step; the slow step when due; at a period's end the period end's
+        step and the round."""
+        n = self.gossip.world_size  # step-locked: the ranks' summed steps are n times the count
+        if self.end.crossed(self.count * n, (self.count + 1) * n, n):
+            self.end.slow_step(self._flat.buffers)
         self.count += 1
-        if self.count % self.local_steps:
+        if not self.periods.ends(self.count):
             return
         assert self.anchor is not None  # take() ran first
-        with torch.no_grad():
-            if self.outer is None:
-                for x, a in zip(self._flat.buffers, self.anchor):
-                    a.copy_(x)
-            else:
-                old: list[Tensor | None] = [None] * len(self.anchor)
-                if self.momentum is not None:
-                    old = list(self.momentum)
-                bufs = [
-                    self._outer_step(x, a, b)
-                    for x, a, b in zip(self._flat.buffers, self.anchor, old)
-                ]
-                self.momentum = [b for b in bufs if b is not None] or None
+        self.end.anchor_step(self._flat.buffers, self.anchor)
         self._launch_round()
-        if self.outer is not None:
+        if self.end.waits:
             # waited for now, not overlapped with the next period: starting a period from the
             # unmixed outer step, which DiLoCo's rates amplify about 7x, trained far worse
             # (+23% against DiLoCo's +0.8% in the time-to-quality benchmark; docs/algorithms)
+            self._mix_in(self.count)
+
+    def enter(self, resume: int) -> None:
+        """A newcomer's first round; where the period end waits for it (DiLoCo), mixed at once,
+        as the members did in the step that took the newcomer in."""
+        super().enter(resume)
+        if self.end.waits and self.periods.ends(self.count):
             self._mix_in(self.count)
 
     def synchronize(self) -> None:
@@ -202,7 +183,8 @@ class LocalRounds(Rounds):
         """Continue from a checkpoint; the anchors come from it too (:func:`restore`), else from
         the parameters at the next step."""
         super().reset(count, in_flight)
-        self.anchor = self.momentum = None
+        self.anchor = None
+        self.end.reset()
 
     def _mix_in(self, after: int) -> None:
         # after: the count at the end of this step (live membership's resume round)
@@ -221,19 +203,13 @@ class LocalRounds(Rounds):
             for x, a in zip(self._flat.buffers, self.anchor):
                 x.add_(a)
 
-    def _outer_step(self, x: Tensor, a: Tensor, buf: Tensor | None) -> Tensor | None:
-        """The outer step on the anchor ``a`` (:func:`sgd_outer_step`); returns the buffer."""
-        outer = self.outer
-        assert outer is not None
-        return sgd_outer_step(a, x, buf, outer.lr, outer.momentum, outer.nesterov)
-
     def _start(self) -> GossipHandle | None:
         # the round of period count // H, launched at its start (also when launched again)
-        start = self.count - self.count % self.local_steps
+        start = self.periods.start(self.count)
         every = self._every
         global_average = every is not None and start % every == 0
         assert self.anchor is not None
         handle = self.gossip.start(
-            self.anchor, start // self.local_steps, global_average=global_average
+            self.anchor, self.periods.index(start), global_average=global_average
         )
         return None if handle.is_noop else handle

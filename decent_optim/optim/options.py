@@ -18,6 +18,8 @@ from decent_optim.topologies import Topology
 
 if TYPE_CHECKING:
     from decent_optim.gossip.codec_base import Codec
+    from decent_optim.optim.local_steps import Periods
+    from decent_optim.optim.schedules import Uneven
 
 __all__ = ["Options", "ParamsT", "with_defaults"]
 
@@ -40,8 +42,9 @@ class Options(TypedDict, total=False):
     differentiable: bool
     fused: bool | None
     compression: str | Codec | None
-    local_steps: int
+    local_steps: int | Periods
     outer: Any
+    uneven: bool | Uneven
     membership: Any
     on_membership_change: Any
 

@@ -18,17 +18,40 @@ written) and then takes ``t``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper, PendingMix
 
-if TYPE_CHECKING:
-    from decent_optim.optim.live import Live
+__all__ = ["Members", "Rounds"]
 
-__all__ = ["Rounds"]
+
+class Members(Protocol):
+    """Who the members are, as the rounds ask it: live membership
+    (:class:`~decent_optim.optim.live.Live`), which may skip a round, rebuild the group first,
+    or drop a round that failed. It acts on the rounds only through their methods
+    (:meth:`Rounds.drop`, :meth:`Rounds.start_round`) and their ``gossip`` and ``count``."""
+
+    resume: int  # rounds below this are not launched (a survivor catching up)
+    membership: Any  # the gossip.membership.Membership
+
+    @property
+    def view(self) -> Any:
+        """The current group (a :class:`~decent_optim.gossip.membership.View`)."""
+
+    def send(self, rounds: Rounds) -> None:
+        """Launch round ``rounds.count`` (:meth:`Rounds.start_round`), or not, or rebuild first."""
+
+    def arrived(self, rounds: Rounds, handle: GossipHandle, after: int) -> bool:
+        """Wait for ``handle``'s round; False where it failed and the group was rebuilt."""
+
+    def recover(self, rounds: Rounds, suspects: tuple[int, ...], after: int) -> None:
+        """Drop the round in flight and rebuild the group (``after``: the count at the end)."""
+
+    def hand_over(self, rounds: Rounds) -> tuple[int, ...] | None:
+        """Send newcomers their state; None, or the ranks to declare lost."""
 
 
 class Rounds:
@@ -55,7 +78,7 @@ class Rounds:
         self._versions: list[int] | None = None  # of the parameters when _pending was launched
         self.held_by: str | None = None  # a block that will restore the buffers (averaged())
         self.budget: float | None = None  # of stop_at, in DDP-equivalent steps
-        self.live: Live | None = None  # live membership (optim.live): survives a lost rank
+        self.live: Members | None = None  # live membership (optim.live): survives a lost rank
 
     @property
     def progress(self) -> float:
@@ -102,6 +125,22 @@ class Rounds:
             return
         self._pending = self._start()
         self._sent = self.gossip.world_size > 1  # a world of one has no rounds to resend
+
+    def enter(self, resume: int) -> None:
+        """A newcomer's first round, at the end of its optimizer's construction (the members
+        resume gossip at round ``resume``): round :attr:`count` if the members launch it now
+        (live membership decides)."""
+        self._launch_round()
+        self.record_versions()
+
+    def drop(self) -> None:
+        """Forget the round in flight without waiting for it (it failed, or was never sent)."""
+        self._pending, self._sent, self._versions = None, False, None
+
+    def start_round(self) -> None:
+        """Launch round :attr:`count` on the current gossip (live membership's :meth:`send`)."""
+        self._pending = self._start()
+        self._sent = self.gossip.world_size > 1
 
     def _arrived(self, handle: GossipHandle, after: int) -> bool:
         """Whether ``handle``'s round arrived: always, but with live membership a round that

@@ -1,17 +1,16 @@
-"""Which schedule of rounds an optimizer runs, from its keywords; one class per schedule.
+"""Which schedule of rounds an optimizer runs, from its keywords: a cadence and a period end.
 
-* every step (``local_steps=1``): :class:`~decent_optim.optim.rounds.Rounds`;
-* every ``local_steps`` steps, optionally with an outer step on the anchors (``outer="diloco"``
-  or an ``OuterSGD``): :class:`~decent_optim.optim.local_steps.LocalRounds`;
-* the same rounds and an outer step on each rank's own slow weights (``outer=LocalOuterSGD``):
-  :class:`~decent_optim.optim.slow_outer.SlowOuterRounds`;
+The cadence (when rounds are launched and mixed):
+
+* every step (``local_steps=1``, no ``outer``): :class:`~decent_optim.optim.rounds.Rounds`;
+* every ``local_steps`` steps, carrying the anchors: :class:`~decent_optim.optim.local_steps.LocalRounds`;
 * periods of at least ``local_steps`` steps that last until the neighbours' round is in
-  (``uneven=True``): :class:`~decent_optim.optim.uneven.UnevenRounds`;
-* those periods, and the slow-weight outer step counted in DDP-equivalent steps
-  (``uneven=True, outer=LocalOuterSGD``):
-  :class:`~decent_optim.optim.uneven_outer.UnevenOuterRounds`.
+  (``uneven=True``): :class:`~decent_optim.optim.uneven.UnevenRounds`.
 
-The keywords are checked here, before anything is built, with an error that says what to pass.
+The period end of the last two (:mod:`~decent_optim.optim.outer`), from ``outer=``: nothing,
+DiLoCo's outer step on the anchors (``"diloco"`` or an ``OuterSGD``), or the outer step on each
+rank's slow weights (a ``LocalOuterSGD``). The keywords are checked here, before anything is
+built, with an error that says what to pass.
 """
 
 from __future__ import annotations
@@ -21,11 +20,10 @@ from dataclasses import dataclass
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, LocalGossiper
-from decent_optim.optim.local_steps import LocalRounds, OuterSGD
+from decent_optim.optim.local_steps import LocalRounds, Periods
+from decent_optim.optim.outer import AnchorOuter, LocalOuterSGD, OuterSGD, PeriodEnd, SlowOuter
 from decent_optim.optim.rounds import Rounds
-from decent_optim.optim.slow_outer import LocalOuterSGD, SlowOuterRounds
 from decent_optim.optim.uneven import UnevenRounds
-from decent_optim.optim.uneven_outer import UnevenOuterRounds
 
 __all__ = ["EVERY_STEP", "Schedule", "Uneven", "check", "make_rounds"]
 
@@ -70,10 +68,12 @@ class Schedule:
     local_steps: int = 1
     outer: OuterSGD | LocalOuterSGD | None = None
     uneven: Uneven | None = None
+    #: another cadence than every ``local_steps`` steps (``local_steps=`` a Periods)
+    periods: Periods | None = None
 
     def describe(self) -> str:
         """The setting the ranks must agree on, as a string."""
-        text = f"{self.local_steps}, outer {self.outer!r}"
+        text = f"{self.periods or self.local_steps}, outer {self.outer!r}"
         return f"{text}, {self.uneven!r}" if self.uneven else text
 
 
@@ -84,6 +84,11 @@ def check(
     local_steps: object, outer: object, global_avg_every: int | None, uneven: object = False
 ) -> Schedule:
     """The validated schedule; a clear error for anything else."""
+    periods = None
+    if isinstance(local_steps, Periods) and type(local_steps) is not Periods:
+        periods, local_steps = local_steps, local_steps.local_steps  # another cadence
+        if uneven:
+            raise ValueError(f"uneven=True takes local_steps=an int, not {periods!r}")
     if isinstance(local_steps, bool) or not isinstance(local_steps, numbers.Integral):
         raise TypeError(
             f"local_steps must be an int (gossip every this many steps), got "
@@ -134,7 +139,7 @@ def check(
             "uneven=True does not take global_avg_every=: a global average makes every rank "
             "wait for the slowest, which uneven=True exists to avoid; pass global_avg_every=None"
         )
-    return Schedule(local_steps, outer, setting)
+    return Schedule(local_steps, outer, setting, periods)
 
 
 def make_rounds(
@@ -144,14 +149,17 @@ def make_rounds(
     schedule: Schedule,
 ) -> Rounds:
     """The rounds of an optimizer with ``schedule`` (module docstring)."""
-    if schedule.uneven is not None and isinstance(schedule.outer, LocalOuterSGD):
-        cap, adaptive = schedule.uneven.cap, schedule.uneven.adaptive
-        return UnevenOuterRounds(gossip, flat, schedule.local_steps, schedule.outer, cap, adaptive)
+    outer = schedule.outer
+    end = (
+        PeriodEnd()
+        if outer is None
+        else SlowOuter(outer)
+        if isinstance(outer, LocalOuterSGD)
+        else AnchorOuter(outer)
+    )
     if schedule.uneven is not None:
         cap, adaptive = schedule.uneven.cap, schedule.uneven.adaptive
-        return UnevenRounds(gossip, flat, schedule.local_steps, cap, adaptive)
-    if schedule.local_steps == 1 and schedule.outer is None:
+        return UnevenRounds(gossip, flat, schedule.local_steps, cap, adaptive, end)
+    if schedule.local_steps == 1 and outer is None and schedule.periods is None:
         return Rounds(gossip, flat, global_avg_every)
-    if isinstance(schedule.outer, LocalOuterSGD):
-        return SlowOuterRounds(gossip, flat, global_avg_every, schedule.local_steps, schedule.outer)
-    return LocalRounds(gossip, flat, global_avg_every, schedule.local_steps, schedule.outer)
+    return LocalRounds(gossip, flat, global_avg_every, schedule.local_steps, end, schedule.periods)

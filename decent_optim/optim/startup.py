@@ -20,7 +20,7 @@ Optimizers sharing a process group get a *slot* each (the lowest free on every r
 step 2): slot 0 exchanges over the group, later ones over a group of their own and with their
 own message tags (:func:`~decent_optim.gossip.collectives.channel`), so two optimizers never
 exchange each other's buffers. A parameter belongs to one optimizer
-(:mod:`decent_optim.optim.membership`).
+(:mod:`decent_optim.optim.param_owner`).
 
 Step 4 overwrites a rank's own values. When they differed from rank 0's -- a resume that loaded
 each rank's weights into the model before building the optimizer -- they are kept aside
@@ -56,7 +56,7 @@ from decent_optim.gossip import (
     resolve_group,
 )
 from decent_optim.optim.agreement import Account, agree
-from decent_optim.optim.membership import Membership
+from decent_optim.optim.param_owner import ParamOwner
 from decent_optim.topologies import Topology
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ class Connected:
     flat: FlatParams
     frozen: list[Tensor]
     stash: Stash | None
-    member: Membership
+    member: ParamOwner
     #: where load_state_dict's cross-check runs: the group (None: one rank) and its device
     group: Any
     device: torch.device | None
@@ -188,7 +188,7 @@ def connect(
             raise failure from None
         raise
     every = [p for params in groups for p in params]
-    account, topo, number = Account(), None, Membership.number(group)
+    account, topo, number = Account(), None, ParamOwner.number(group)
     try:
         if failure is not None:
             raise failure
@@ -217,7 +217,7 @@ def connect(
         device,
         f"building {name}",
         own=own,
-        extra=[Membership.slots_taken(group)],
+        extra=[ParamOwner.slots_taken(group)],
         hints=_HINTS,
         item_hint=_ITEM_HINT,
         timeout=timeout,
@@ -226,7 +226,7 @@ def connect(
     taken = 0
     for row in rows:
         taken |= row[-1]
-    member = Membership(name, group, slot=(~taken & (taken + 1)).bit_length() - 1)
+    member = ParamOwner(name, group, slot=(~taken & (taken + 1)).bit_length() - 1)
     member.claim(every, [label for label, _ in account.items])
     frozen = [p for p in every if not p.requires_grad]
     flat = FlatParams([[p for p in params if p.requires_grad] for params in groups], bucket_cap_mb)

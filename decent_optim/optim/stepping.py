@@ -16,7 +16,7 @@ from torch import Tensor
 from decent_optim.flat import FlatParams
 from decent_optim.gossip.handle import NO_MIX, PendingMix
 from decent_optim.optim.inputs import AveragedCheck, check_membership, gradients
-from decent_optim.optim.membership import Membership
+from decent_optim.optim.param_owner import ParamOwner
 from decent_optim.optim.rounds import Rounds
 from decent_optim.optim.startup import Stash
 from decent_optim.optim.state import FlatState
@@ -34,7 +34,7 @@ class Stepped(Protocol):
 
     param_groups: list[dict[str, Any]]
     state: Any
-    _member: Membership
+    _member: ParamOwner
     _group_params: list[list[Tensor]]
     _rounds: Rounds
     _flat: FlatParams

@@ -58,6 +58,7 @@ from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
 from decent_optim.optim import uneven_live
 from decent_optim.optim.local_steps import LocalRounds
+from decent_optim.optim.outer import PeriodEnd
 from decent_optim.optim.uneven_loop import HINT, LOOP, check_same_round
 from decent_optim.optim.uneven_periods import next_period
 from decent_optim.optim.waiter import Waiter
@@ -75,8 +76,9 @@ class UnevenRounds(LocalRounds):
         local_steps: int,
         cap: float | None = None,
         adaptive: bool = False,
+        end: PeriodEnd | None = None,
     ) -> None:
-        super().__init__(gossip, flat, None, local_steps, None)
+        super().__init__(gossip, flat, None, local_steps, end or PeriodEnd())
         self.adaptive = adaptive
         #: the steps this rank takes before it launches its next round (see the module docstring)
         self.period = local_steps
@@ -97,6 +99,7 @@ class UnevenRounds(LocalRounds):
         self._out = False  # round `launched` is in flight (its handle may be a no-op)
         self._sum: tuple[GossipHandle, torch.Tensor, int] | None = None  # (handle, sum, count)
         self._waiter: Waiter | None = None
+        self._due = False  # this step mixed a round that calls for the slow step (optim.outer)
 
     @property
     def in_flight(self) -> bool:
@@ -133,7 +136,18 @@ class UnevenRounds(LocalRounds):
         check_same_round(self.gossip, self.round, what)
 
     def take(self) -> None:  # type: ignore[override]
-        """Before a step's update: mix the round in flight if it has arrived (no waiting)."""
+        """Before a step's update: mix the round in flight if it has arrived (no waiting); note
+        whether the round mixed (if any) calls for the slow step (:mod:`~decent_optim.optim.outer`)."""
+        mixed, total = self.mixed, self.total
+        self._take()
+        self.end.start(self._flat.buffers)
+        self._due = self.mixed != mixed and self.end.crossed(total, self.total, self._n)
+
+    @property
+    def _n(self) -> int:
+        return self.gossip.world_size
+
+    def _take(self) -> None:
         self.check_free("step()")
         if self.budget is None:
             raise RuntimeError(
@@ -164,27 +178,33 @@ class UnevenRounds(LocalRounds):
 
     def launch(self) -> None:
         """Count a completed step; launch the next round once the last one is mixed and at
-        least ``local_steps`` steps were taken since it was launched."""
+        least ``local_steps`` steps were taken since it was launched; first the slow step if
+        :meth:`take` called for it."""
+        if self._due:
+            self._due = False
+            self.end.slow_step(self._flat.buffers)
         self.count += 1
         self.since += 1
         if self._stopped or self._out or self.since < self.period:
             return
         assert self.anchor is not None  # take() ran first
-        with torch.no_grad():
-            for x, a in zip(self._flat.buffers, self.anchor):
-                a.copy_(x)
+        self.end.anchor_step(self._flat.buffers, self.anchor)
         self.launched += 1
         self.since, self.period = 0, self._next
         self._send(self.count)
 
     def synchronize(self) -> None:
-        """Mix the round in flight now (waiting for it), instead of when it arrives."""
+        """Mix the round in flight now (waiting for it), instead of when it arrives; the slow
+        step at once if that round calls for it."""
         self.check_free("synchronize()")
+        mixed, total = self.mixed, self.total
         if self._relaunch:
             self._relaunch = False
             self._send(self._resend_count)
         if self._out:
             self._settle()
+        if self.mixed != mixed and self.end.crossed(total, self.total, self._n):
+            self.end.slow_step(self._flat.buffers)
 
     def wait(self, *, check_writes: bool = True) -> None:
         """Let the round in flight finish its transfers (its waiter thread owns the wait)."""
@@ -203,6 +223,27 @@ class UnevenRounds(LocalRounds):
         self.launched = self.mixed = self.since = self.count_at_launch = 0
         self.total, self.offset, self._stopped = None, 0.0, False
         self.period = self._next = self.local_steps
+
+    def regrouped(self, before: int) -> None:
+        """After live membership rebuilt the group (:mod:`~decent_optim.optim.uneven_live`, its
+        step 3): the round in flight and its sum dropped, stand at round ``live.resume``, the
+        progress carried over from the old group of ``before`` ranks, the periods restarted."""
+        assert self.live is not None
+        self._sum, self._waiter, self._out, self._relaunch = None, None, False, False
+        self.gossip.hint = HINT
+        self.launched = self.mixed = self.live.resume
+        if self.total is not None:
+            progress = self.total / before
+            self.total = progress * self.gossip.world_size
+            self.offset = progress - self.count_at_launch
+        self.period = self._next = self.local_steps
+
+    def enter(self, resume: int) -> None:
+        """A newcomer's rounds after its state arrived: at round ``resume``, the next launched
+        at the end of its first step."""
+        self.launched = self.mixed = resume
+        self.since = self.period = self._next = self.local_steps
+        self.gossip.hint = HINT  # on the gossiper at the members' size (Live.adopt)
 
     def schedule_state(self) -> dict[str, object]:
         """What a checkpoint keeps besides the anchors (see local_checkpoint)."""

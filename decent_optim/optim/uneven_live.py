@@ -58,20 +58,27 @@ Not supported: ``outer=`` with ``uneven=True``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from decent_optim.gossip import GossipError
 from decent_optim.gossip.failures import connection_closed
 from decent_optim.gossip.membership import MembershipChanged
-from decent_optim.optim.uneven_loop import HINT
 
-if TYPE_CHECKING:
-    from decent_optim.optim.uneven import UnevenRounds
-
-__all__ = ["enter", "launching", "recover"]
+__all__ = ["Regrouping", "launching", "recover"]
 
 
-def recover(rounds: UnevenRounds, error: BaseException) -> None:
+class Regrouping(Protocol):
+    """What recovery asks of the uneven rounds (:class:`~decent_optim.optim.uneven.UnevenRounds`)."""
+
+    live: Any  # the rounds' Members (optim.rounds), None without membership=
+    gossip: Any
+    mixed: int
+
+    def regrouped(self, before: int) -> None:
+        """Stand at round ``live.resume`` on the new group (``before``: the old group's size)."""
+
+
+def recover(rounds: Regrouping, error: BaseException) -> None:
     """Steps 1-3 of the module docstring after ``error`` ended a round of ``rounds`` (its waiter
     joined); re-raise ``error`` without live membership or when it is no transport failure."""
     live = rounds.live
@@ -80,19 +87,11 @@ def recover(rounds: UnevenRounds, error: BaseException) -> None:
     )
     if live is None or not transport:
         raise error
-
-    rounds._sum, rounds._waiter, rounds._out, rounds._relaunch = None, None, False, False
     before = rounds.gossip.world_size
     # one peer named: its connection closed; several: a timed-out wait (step 2)
     peers = getattr(error, "peers", ())
     live.recover(rounds, peers if len(peers) == 1 else (), rounds.mixed)  # live.resume: the max
-    rounds.gossip.hint = HINT
-    rounds.launched = rounds.mixed = live.resume
-    if rounds.total is not None:
-        progress = rounds.total / before
-        rounds.total = progress * rounds.gossip.world_size
-        rounds.offset = progress - rounds.count_at_launch
-    rounds.period = rounds._next = rounds.local_steps
+    rounds.regrouped(before)
     failed = live.hand_over(rounds)  # this rank is the source of newcomers' state
     if failed is not None:
         error = GossipError(f"a newcomer's state transfer failed (ranks {list(failed)})")
@@ -100,18 +99,10 @@ def recover(rounds: UnevenRounds, error: BaseException) -> None:
         recover(rounds, error)
 
 
-def launching(rounds: UnevenRounds) -> None:
+def launching(rounds: Regrouping) -> None:
     """Before launching a round: raise :class:`MembershipChanged` if a member or a newcomer
     asked for a change (one check of a store key). A round's watched wait notices it only
     while the round is still travelling."""
     live = rounds.live
     if live is not None and live.membership.pending():
         raise MembershipChanged(f"[id {live.membership.me}] a change of membership was asked for")
-
-
-def enter(rounds: UnevenRounds, resume: int) -> None:
-    """A newcomer's rounds after its state arrived: at round ``resume``, the next launched at
-    the end of its first step."""
-    rounds.launched = rounds.mixed = resume
-    rounds.since = rounds.period = rounds._next = rounds.local_steps
-    rounds.gossip.hint = HINT  # on the gossiper at the members' size (Live.adopt)

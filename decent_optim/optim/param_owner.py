@@ -3,14 +3,14 @@
 A parameter becomes a view of one optimizer's flat buffer (:mod:`decent_optim.flat`), so:
 
 * it belongs to one optimizer: building another on it hands it over, and the first refuses to
-  step from then on (:meth:`Membership.claim`) -- torch.optim would let both update it;
+  step from then on (:meth:`ParamOwner.claim`) -- torch.optim would let both update it;
 * two parameters must not share memory (tied weights made as two ``Parameter`` objects over one
   tensor, or one parameter given twice): each would get a place of its own in the buffer and
   the tie would be lost, so :func:`~decent_optim.flat_checks.check_disjoint` refuses them;
 * optimizers sharing a process group get a *slot* each, the lowest free one on every rank
-  (:meth:`Membership.slots_taken` is gathered at start-up), which picks their channel and
+  (:meth:`ParamOwner.slots_taken` is gathered at start-up), which picks their channel and
   message tags (:func:`~decent_optim.gossip.collectives.channel`), and a *number*, the order in
-  which this process built them on the group (:meth:`Membership.number`), which the ranks
+  which this process built them on the group (:meth:`ParamOwner.number`), which the ranks
   compare (:mod:`decent_optim.optim.startup`).
 """
 
@@ -21,15 +21,15 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["Membership"]
+__all__ = ["ParamOwner"]
 
 
-class Membership:
+class ParamOwner:
     """An optimizer's place among the live decentralized optimizers of this process."""
 
-    _live: weakref.WeakSet[Membership] = weakref.WeakSet()
+    _live: weakref.WeakSet[ParamOwner] = weakref.WeakSet()
     # id(parameter) -> the parameter and its optimizer's membership (both weakly), its name
-    _owners: dict[int, tuple[weakref.ref[Tensor], weakref.ref[Membership], str | None]] = {}
+    _owners: dict[int, tuple[weakref.ref[Tensor], weakref.ref[ParamOwner], str | None]] = {}
     # process group -> how many decentralized optimizers this process has built on it
     _built: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
