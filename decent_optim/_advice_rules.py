@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from decent_optim.optim.slow_outer import LocalOuterSGD
+from decent_optim.optim.outer import LocalOuterSGD
 
 #: the one learning-rate rule: a multiple of the rate tuned for DDP, same schedule and warm-up.
 #: Measured best: 1.5-2x on the convergence study at 4-32 workers (docs/quality.rst), 1.25x in

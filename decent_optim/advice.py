@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decent_optim import _advice_rules as rules
-from decent_optim.optim.slow_outer import LocalOuterSGD
+from decent_optim.optim.outer import LocalOuterSGD
 from decent_optim.runtime import regimes
 
 __all__ = ["Advice", "recommend"]

@@ -1,4 +1,4 @@
-"""``outer=LocalOuterSGD(...)`` (decent_optim.optim.slow_outer) against independent references.
+"""``outer=LocalOuterSGD(...)`` (decent_optim.optim.outer) against independent references.
 
 Many ranks: the dense float64 simulation of local steps (``reference.simulate_local``) with each
 row's slow weights stepped by torch.optim.SGD's formula. One rank: torch.optim.AdamW inside and

@@ -1,4 +1,4 @@
-"""``uneven=True, outer=LocalOuterSGD(...)`` (decent_optim.optim.uneven_outer) against references.
+"""``uneven=True, outer=LocalOuterSGD(...)`` (decent_optim.optim.outer) against references.
 
 Many ranks at really uneven speeds: the dense float64 replay of tests/test_uneven.py (from each
 rank's recorded mixing steps), written again here from the semantics alone with the outer step
