@@ -23,9 +23,7 @@ start with round ``t``'s groups, then the rule updates the mixed rows with the g
 the unmixed ones. With a codec, a group that spans nodes averages each node's part exactly and
 gossips the parts' means through public copies with error feedback (CHOCO, the package's
 ``compressed.py``; the codec object is the package's), the first round of a group exact.
-Topologies are the package's by name, plus ``base<k+1>`` (``n`` a power of ``k + 1``: round
-``r`` averages the ``k + 1`` workers that differ only in digit ``r`` of their rank in base
-``k + 1``, the exact mean after ``log_(k+1) n`` rounds; Takezawa et al., arXiv 2305.11420).
+Topologies are the package's by name (``base4`` is read as ``base-4``).
 """
 
 from __future__ import annotations
@@ -113,25 +111,9 @@ class AccumAdamW(AdamW):
 Groups = list[tuple[int, ...]]
 
 
-def base_groups(n: int, base: int) -> Callable[[int], Groups]:
-    """``base<k+1>``'s rounds: round ``r`` groups the ranks equal but for digit ``r mod m``."""
-    m, size = 0, 1
-    while size < n:
-        size, m = size * base, m + 1
-    if size != n:
-        raise SystemExit(f"base{base} needs the workers ({n}) to be a power of {base}")
-
-    def groups(r: int) -> Groups:
-        place = base ** (r % m)
-        heads = [i for i in range(n) if (i // place) % base == 0]
-        return [tuple(h + d * place for d in range(base)) for h in heads]
-
-    return groups
-
-
 def topology_groups(name: str, n: int, lws: int) -> Callable[[int], Groups]:
-    if re.fullmatch(r"base\d+", name):  # the simulation's own, the package's is base-<b>
-        return base_groups(n, int(name[4:]))
+    if re.fullmatch(r"base\d+", name):  # the name of the first runs: the package's base-<b>
+        name = f"base-{name[4:]}"
     from decent_optim.topologies import get
 
     topo = get(name, n, lws)
