@@ -13,7 +13,12 @@ parts (``x<f>`` the peak rate as a multiple of DDP's; the others as ``name<numbe
   bytes; ``n = 1`` is AdamW).
 * what the round carries besides the parameters: ``gmix`` also the gradient of the step before,
   so the rule sees :math:`w_{ii} g_i(t) + \sum_{j \ne i} w_{ij} g_j(t-1)` (twice the bytes);
-  ``mmix`` Adam's first moment, mixed like the parameters.
+  ``mmix`` Adam's first moment, mixed like the parameters; ``vmix`` the gradient of the step
+  before as well, but only for the second moment: each worker's denominator becomes an
+  estimate of DDP's (the second moment of the mean of all n workers' gradients,
+  :func:`mean_square`), its first moment stays its own fresh gradient's (twice the bytes);
+  ``gmean`` (a diagnosis, with a barrier) the fresh mean of all workers' clipped gradients:
+  on ``complete``, DDP but for the clipping, which is each worker's.
 * consensus control: ``pga<H>`` makes every ``H``-th round a global average (the exact mean,
   launched like a round and applied one step later); ``pgaw<K>`` only for the first ``K``
   steps, then every ``pgal<H>``-th (dense early, rare late).
@@ -65,14 +70,26 @@ class AdamW:
         self.m, self.v = torch.zeros_like(x), torch.zeros_like(x)
         self.betas, self.wd, self.decay, self.t = betas, wd, decay, 0
         self.share = share
+        self.u: torch.Tensor | None = None  # vmix: the second moment of the mean, estimated
+        self.n = x.shape[0]
 
-    def step(self, x: torch.Tensor, g: torch.Tensor, lr: float) -> None:
+    def step(
+        self, x: torch.Tensor, g: torch.Tensor, lr: float, u: torch.Tensor | None = None
+    ) -> None:
         b1, b2 = self.betas
         self.t += 1
         self.m.lerp_(g, 1 - b1)
         self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
         bc1, bc2 = 1 - b1**self.t, 1 - b2**self.t
         x.mul_(1 - lr * self.wd * self.decay)
+        if u is not None:
+            # vmix: the denominator is the EMA of u, an estimate of the squared mean gradient
+            # of all n workers; floored at v / n, which that square's expectation cannot undercut
+            self.u = torch.zeros_like(u) if self.u is None else self.u
+            self.u.mul_(b2).add_(u, alpha=1 - b2)
+            denom = torch.maximum(self.u, self.v / self.n).div_(bc2).sqrt_().add_(1e-8)
+            x.addcdiv_(self.m, denom, value=-lr / bc1)
+            return
         if self.share == 1.0:
             denom = (self.v.sqrt() / bc2**0.5).add_(1e-8)
             x.addcdiv_(self.m, denom, value=-lr / bc1)
@@ -109,6 +126,27 @@ class AccumAdamW(AdamW):
 
 
 Groups = list[tuple[int, ...]]
+
+
+def mean_square(g: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Each row's estimate of the squared mean of all n rows' gradients ``g`` (n, P), from the
+    gradients of its group alone (``vmix``).
+
+    With i.i.d. noise of variance s^2 per worker, a group of k has ``a`` (the square of its
+    mean) and ``b`` (the mean of its squares) of expectations ``mu^2 + s^2 / k`` and
+    ``mu^2 + s^2``, so ``a - (b - a) (1 - k / n) / (k - 1)`` has expectation ``mu^2 + s^2 / n``:
+    what DDP's second moment averages. A row alone in its round gets its own square.
+    """
+    n, out = g.shape[0], g.square()
+    for grp in groups:
+        k = len(grp)
+        if k == 1:
+            continue
+        idx = list(grp)
+        a = g[idx].mean(0).square()
+        b = g[idx].square().mean(0)
+        out[idx] = (a - (b - a) * ((1 - k / n) / (k - 1))).unsqueeze(0)
+    return out
 
 
 def topology_groups(name: str, n: int, lws: int) -> Callable[[int], Groups]:
@@ -241,8 +279,11 @@ class Method:
             if (t + 1) % self.h == 0:
                 self._outer()
             return
+        u = self._mean_square(g, t) if "vmix" in self.m else None
         if "gmix" in self.m:
             g = self._mixed_gradient(g, t)
+        if "gmean" in self.m:  # a barrier: the fresh mean of the clipped gradients, no gossip
+            g[:] = g.mean(0, keepdim=True)
         if self._global(t):
             x[:] = x.mean(0, keepdim=True)
             self.global_rounds += 1
@@ -250,7 +291,15 @@ class Method:
                 self.rule.m[:] = self.rule.m.mean(0, keepdim=True)
         elif t > 0:  # round 0 would mix the start, equal everywhere: the package skips it
             self.gossip.mix_(x, t, [self.rule.m] if "mmix" in self.m else [])
-        self.rule.step(x, g, lr)
+        self.rule.step(x, g, lr, u) if u is not None else self.rule.step(x, g, lr)
+
+    def _mean_square(self, g: torch.Tensor, t: int) -> torch.Tensor:
+        """``vmix``: the gradients of the step before travel with round ``t``."""
+        prev, self.vprev = getattr(self, "vprev", None), g.clone()
+        if prev is None:
+            return g.square()
+        groups = [tuple(range(self.task.n))] if self._global(t) else self.gossip.groups(t)
+        return mean_square(prev, groups)
 
     def _mixed_gradient(self, g: torch.Tensor, t: int) -> torch.Tensor:
         """``w_ii g_i(t) + sum_j w_ij g_j(t - 1)`` with round ``t``'s groups (uniform weights)."""

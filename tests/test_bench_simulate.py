@@ -164,3 +164,53 @@ def test_vcorr_estimates_the_second_moment_of_a_mean_of_n_gradients():
     plain = mu / (mu.square() + 1).sqrt()
     assert (step - want).abs().mean() < 0.04  # the ratio of noisy EMAs: a mean, not a bound
     assert (step - plain).abs().mean() > 0.15
+
+
+@pytest.mark.parametrize("k", [2, 4, 16])
+def test_vmix_estimates_the_squared_mean_of_all_workers_from_one_group(k):
+    """Monte Carlo: 16 workers' gradients mu + s * noise; from a group of k alone the estimate's
+    mean is mu^2 + s^2 / 16, what the square of all 16 workers' mean averages (a group's own
+    mean square, mu^2 + s^2 / k, is not)."""
+    gen = torch.Generator().manual_seed(0)
+    n, draws, mu, s = 16, 10000, torch.tensor([0.0, 0.5, -1.0]), torch.tensor([1.0, 1.5, 0.5])
+    groups = [tuple(range(i, i + k)) for i in range(0, n, k)]
+    est = torch.zeros(n, 3, dtype=torch.float64)
+    for _ in range(draws // 100):
+        g = mu + s * torch.randn(100, n, 3, generator=gen)
+        est += torch.stack([_sim_methods.mean_square(gi, groups) for gi in g]).double().sum(0)
+    est = est.mean(0) / draws  # the n / k groups' estimates are independent draws too
+    want = (mu.square() + s.square() / n).double()
+    assert torch.allclose(est, want, atol=0.02, rtol=0.03), (est, want)
+    if k < n:
+        own_group = (mu.square() + s.square() / k).double()
+        assert (est - own_group).abs().max() > 0.1
+    one = mu + s * torch.randn(n, 3, generator=gen)
+    if k == n:  # the whole world in one group: the mean's square itself
+        got = _sim_methods.mean_square(one, groups)
+        assert torch.allclose(got, one.mean(0).square().expand(n, 3))
+
+
+def test_vmix_gives_every_worker_ddps_step_on_a_stationary_stream():
+    """16 rows, each its own noise, paired anew every step: with ``vmix``'s second moment each
+    row's mean step is DDP's, mu / sqrt(mu^2 + s^2 / n), not AdamW's on its own gradient,
+    mu / sqrt(mu^2 + s^2)."""
+    gen = torch.Generator().manual_seed(1)
+    n, p, lr = 16, 400, 1e-4
+    mu = torch.linspace(-1, 1, p)
+    x = torch.zeros(n, p)
+    rule = _sim_methods.AdamW(x, torch.zeros(p), (0.9, 0.999))
+    prev, start = None, None
+    for t in range(1500):
+        if t == 500:
+            start = x.clone()
+        g = mu + torch.randn(n, p, generator=gen)
+        perm = torch.randperm(n, generator=gen).tolist()
+        groups = [tuple(perm[i : i + 2]) for i in range(0, n, 2)]
+        u = g.square() if prev is None else _sim_methods.mean_square(prev, groups)
+        rule.step(x, g, lr, u)
+        prev = g
+    step = ((start - x) / lr / 1000).mean(0)
+    ddp = mu / (mu.square() + 1 / n).sqrt()
+    own = mu / (mu.square() + 1).sqrt()
+    assert (step - ddp).abs().mean() < 0.05
+    assert (step - own).abs().mean() > 0.2
