@@ -275,8 +275,9 @@ def test_a_lost_store_pauses_membership_and_a_later_loss_names_it(tmp_path):
     finally:
         assert server.result(timeout=WAIT)
     out = results[0]
-    # training went on after the store was lost, until the peer died
-    assert out["steps"] == KILL_AT, out
+    # training went on after the store was lost, until the peer died (at rank 0's step 8 or 9:
+    # the round rank 1 launched at the end of its step 7 may still arrive)
+    assert KILL_AT <= out["steps"] <= KILL_AT + 1, out
     assert len(out["warnings"]) == 1, out["warnings"]
     assert "training goes on, but live membership is off" in out["warnings"][0]
     said = out["error"]
