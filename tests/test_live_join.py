@@ -115,6 +115,10 @@ def _newcomer(path, local_steps, width=2, go="go"):
         return {"refused": str(err)}
     count = int(opt.state[params[0]]["step"])
     out["joined"], out["first_view"] = _record(opt, params, count), tuple(opt.membership)
+    try:  # a second join of this process (issue 64: it was told not to init_process_group)
+        Membership(store, prefix="live", timeout=TIMEOUT, join=True)
+    except RuntimeError as err:
+        out["again"] = str(err)
     _live.train(model, opt, opt.membership.members[opt.membership.rank], count)
     out["final"], out["view"] = _live.flat(params), tuple(opt.membership)
     out["sizes"] = (opt.world_size, opt.rank, opt.topology.world_size)
@@ -158,6 +162,9 @@ def _check(members, newcomer, local_steps):
     view = (1, (0, 1, 2, 3), 3, ())
     assert newcomer["first_view"] == view and newcomer["view"] == view, newcomer["view"]
     assert newcomer["sizes"] == (4, 3, 4), newcomer["sizes"]
+    again = newcomer["again"]
+    assert "this process is in the running job already (live membership built its group" in again
+    assert "a process joins once" in again and "init_process_group" not in again, again
     for rank, out in enumerate(members):
         assert out["view"] == (1, (0, 1, 2, 3), rank, ()), out["view"]
         assert out["changes"] == [out["view"]], out["changes"]

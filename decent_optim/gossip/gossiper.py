@@ -247,6 +247,16 @@ class Gossiper:
         self._link.hint = text
 
     @property
+    def timeout(self) -> datetime.timedelta | None:
+        """How long a round's wait lasts before it raises (None: the group's timeout); live
+        membership sets it where the optimizer was given none (optim.live_owner)."""
+        return self._link.timeout
+
+    @timeout.setter
+    def timeout(self, timeout: datetime.timedelta | None) -> None:
+        self._link.timeout = timeout
+
+    @property
     def watch(self) -> Callable[[Callable[[], None]], None] | None:
         """What runs the rounds' waits while watching for a change of membership (live
         membership's :meth:`~decent_optim.gossip.membership.Membership.watch`); None: no one."""

@@ -47,7 +47,10 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from decent_optim.gossip import membership_store
 from decent_optim.gossip.failures import GossipError
+from decent_optim.gossip.membership_args import built, check_arguments, check_place, warn_if_alone
+from decent_optim.gossip.membership_log import log_change
 from decent_optim.gossip.watch import Waits, waits
 
 __all__ = ["Membership", "MembershipChanged", "MembershipError", "View"]
@@ -87,10 +90,12 @@ class Membership:
 
     Built on every rank right after ``init_process_group`` (no communication). ``store`` must
     outlive any worker and be the same for every rank; ``prefix`` must be new to it (one per
-    job). ``timeout`` (seconds) bounds each wait of an agreement and the new group's: set it
-    to the optimizer's; it becomes the store's timeout too. ``join=True``: built instead in a
-    process outside the group, which joins it at its first :meth:`rebuild` (the members'
-    ``backend``; the store and prefix of the job).
+    job). ``timeout`` (seconds or a ``timedelta``, finite, at least 0.1 s) bounds each wait of
+    an agreement and the new group's, and the rounds of an optimizer given no ``timeout=``: set
+    it to the optimizer's; it becomes the store's timeout too. ``join=True``: built instead in
+    a process outside the group, which joins it at its first :meth:`rebuild` (the members'
+    ``backend``; the store and prefix of the job). Warns when this process hosts the store or
+    is a world of one; every change is logged (:mod:`~decent_optim.gossip.membership_log`).
     """
 
     def __init__(
@@ -98,8 +103,8 @@ class Membership:
         store: dist.Store,
         *,
         prefix: str = "decent_optim/live",
-        timeout: float = 60.0,
-        poll: float = 0.005,
+        timeout: float | datetime.timedelta = 60.0,
+        poll: float | datetime.timedelta = 0.005,
         join: bool = False,
         backend: str = "gloo",
     ):
@@ -109,23 +114,18 @@ class Membership:
                 "torchrun's agent store, or a dist.TCPStore hosted by a process that does not "
                 f"train; got {store!r}"
             )
-        if dist.is_initialized() == join:
-            raise RuntimeError(
-                "Membership(store, join=True) is for a process outside the running group: do not "
-                "call init_process_group (joining builds the group)"
-                if join
-                else "build Membership after dist.init_process_group, on every rank (or pass "
-                "join=True in a process that joins a running job)"
-            )
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        self.store, self.prefix, self.timeout, self.poll = store, prefix, float(timeout), poll
+        timeout, poll = check_arguments(prefix, timeout, poll, join, backend)
+        check_place(join, dist.is_initialized())
+        self.store, self.prefix, self.timeout, self.poll = store, prefix, timeout, poll
         # the new group's rendezvous waits on the store with the store's own timeout
         store.set_timeout(datetime.timedelta(seconds=self.timeout))
         #: a newcomer until its first rebuild has connected it
         self.joining = join
+        #: False once the store could not be reached (membership_store: changes are off)
+        self.reachable = True
         # the waits watch() left for a change, and the peers they named (their late blame)
         self._waits = Waits(poll, MembershipChanged)
+        membership_store.warn_if_hosted(store)
         if join:
             self.backend, self.me, self.view = backend, -1, View(-1, (), -1, ())
             return
@@ -134,6 +134,7 @@ class Membership:
         self.me = dist.get_rank()
         self.view = View(0, tuple(range(world)), self.me, ())
         store.compare_set(f"{prefix}/world", "", str(world))  # where newcomers' ids start
+        warn_if_alone(world)
 
     def _key(self, generation: int, name: str) -> str:
         return f"{self.prefix}/g{generation}/{name}"
@@ -141,7 +142,14 @@ class Membership:
     def pending(self) -> bool:
         """Whether a member has started to agree on a change of the current generation, or a
         newcomer asks to join (one check of a store key)."""
-        return self.store.check([self._key(self.view.generation, "change")])
+        if not self.reachable:
+            return False
+        try:
+            return self.store.check([self._key(self.view.generation, "change")])
+        except dist.DistNetworkError as err:  # gossip goes on without the store
+            self.reachable = False
+            membership_store.warn_paused(self.me, self.store, err)
+            return False
 
     def wait(self, works: Iterable[dist.Work], timeout: float | None = None) -> None:
         """``work.wait()`` for each of ``works``, ended early by a change another member started.
@@ -177,8 +185,13 @@ class Membership:
         Raises:
             MembershipError: this rank was left out, or no group could be rebuilt in time.
         """
-        if self.joining:
-            return self._join()
+        try:
+            return self._join() if self.joining else self._rebuild(suspects)
+        except dist.DistNetworkError as err:  # the store's connection, not a peer's
+            what = "joining the job" if self.joining else "a change of membership"
+            raise MembershipError(membership_store.lost(self.me, self.store, err, what)) from err
+
+    def _rebuild(self, suspects: Iterable[int]) -> View:
         view = self.view
         ranks = list(suspects)
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < view.world_size)]
@@ -196,8 +209,10 @@ class Membership:
             view = View(view.generation + 1, members, members.index(self.me), lost)
             error = self._connect(view)
             if error is None:
+                log_change(self.view, view, self.me)
                 self.view, self.joining = view, False
                 self.store.set(f"{self.prefix}/generation", str(view.generation))
+                built(self)
                 return view
             # a member died during the rebuild: agree again, where only posting counts
             members = self._agree(view, set(), quick=False)

@@ -21,13 +21,7 @@ from decent_optim._validation import (
     check_timeout,
     check_unsupported,
 )
-from decent_optim.optim import (
-    frameworks,
-    joining,
-    live,
-    schedules,
-    stepping,
-)
+from decent_optim.optim import frameworks, joining, live, live_owner, schedules, stepping
 from decent_optim.optim.budget import Budgeted
 from decent_optim.optim.consensus import ConsensusViews
 from decent_optim.optim.facts import WorkerFacts
@@ -191,6 +185,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, 
             check_global_avg_every(global_avg_every)
             period = schedules.check(local_steps, outer, global_avg_every, uneven)
             live.check(membership, on_membership_change, topology, process_group, period)
+            live_owner.check(membership, type(self).__name__)  # one per process
             flags = dict(maximize=maximize, foreach=foreach, fused=fused)
             flags.update(capturable=False, differentiable=False)
             hyper = defaults() if callable(defaults) else defaults
@@ -219,6 +214,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, 
         # what a newcomer must have alike (joining.fit)
         self._schedule, self._global_avg_every = period, global_avg_every
         self._rounds = schedules.make_rounds(start.gossip, start.flat, global_avg_every, period)
+        live_owner.take(self, start.gossip, membership)  # and bounds its waits
         self._rounds.live = live.attach(
             self, start, membership, on_membership_change, topology, compression
         )

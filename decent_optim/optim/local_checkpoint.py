@@ -66,6 +66,14 @@ def round_of(entry: Any, pending: bool) -> str | None:
             f"state_dict['decent_optim'][{ENTRY!r}]['uneven'] must be what state_dict() saved "
             f"(whole numbers of rounds launched and mixed), got {state!r}"
         )
+    world = state.get("world_size")  # the world that saved it: the progress is per worker
+    if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+        raise ValueError(
+            f"state_dict['decent_optim'][{ENTRY!r}]['uneven']['world_size'] must be the number "
+            f"of workers that saved it (a whole number >= 1), got {world!r}: the progress would "
+            "resume at a wrong value. Load the checkpoint as state_dict() or "
+            "decent_optim.checkpoint.save wrote it"
+        )
     launched, mixed = numbers
     flight = f"round {launched} in flight" if pending else "no round in flight"
     return f"local_steps={entry.get('local_steps')}, {mixed} rounds mixed, {flight}"
