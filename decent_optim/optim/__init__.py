@@ -29,8 +29,7 @@ module                                         what it does
 :mod:`~decent_optim.optim.waiter`              a round's transfers waited for in a thread
 :mod:`~decent_optim.optim.outer`               the period end: nothing, DiLoCo, slow weights
 *live membership*
-:mod:`~decent_optim.optim.live`                a lost worker: the survivors train on
-:mod:`~decent_optim.optim.uneven_live`         the same with ``uneven=True``
+:mod:`~decent_optim.optim.live`                a lost worker, a newcomer: every schedule
 :mod:`~decent_optim.optim.joining`             a newcomer takes a member's state
 *checkpoints*
 :mod:`~decent_optim.optim.state_dicts`         ``state_dict`` / ``load_state_dict``

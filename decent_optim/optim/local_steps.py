@@ -148,6 +148,12 @@ class LocalRounds(Rounds):
         if self.end.waits and self.periods.ends(self.count):
             self._mix_in(self.count)
 
+    def join(self, count: int, resume: int) -> None:
+        """A newcomer's rounds: what it sends is what it holds (the anchors not received)."""
+        if self.anchor is None:
+            self.anchor = [b.clone() for b in self._flat.buffers]
+        super().join(count, resume)
+
     def synchronize(self) -> None:
         """Mix the round in flight now instead of at the end of the period."""
         self.check_free("synchronize()")

@@ -56,7 +56,6 @@ import torch
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
-from decent_optim.optim import uneven_live
 from decent_optim.optim.local_steps import LocalRounds
 from decent_optim.optim.outer import PeriodEnd
 from decent_optim.optim.uneven_loop import HINT, LOOP, check_same_round
@@ -225,8 +224,8 @@ class UnevenRounds(LocalRounds):
         self.period = self._next = self.local_steps
 
     def regrouped(self, before: int) -> None:
-        """After live membership rebuilt the group (:mod:`~decent_optim.optim.uneven_live`, its
-        step 3): the round in flight and its sum dropped, stand at round ``live.resume``, the
+        """After live membership rebuilt the group (:meth:`Live.failed
+        <decent_optim.optim.live.Live.failed>`): the round in flight and its sum dropped, stand at round ``live.resume``, the
         progress carried over from the old group of ``before`` ranks, the periods restarted."""
         assert self.live is not None
         self._sum, self._waiter, self._out, self._relaunch = None, None, False, False
@@ -298,11 +297,12 @@ class UnevenRounds(LocalRounds):
         values = torch.tensor([float(count) + self.offset], dtype=torch.float64)
         what = f"the step counts of round {self.launched}"
         try:
-            uneven_live.launching(self)  # a change asked for (a newcomer): rebuild first
+            if self.live is not None:
+                self.live.asked()  # a change asked for (a newcomer): rebuild first
             self._pending = self._start()
             self._sum = (self.gossip.sum_async(values, what, HINT), values, count)
         except RuntimeError as err:  # a change asked for, or a dead peer's error from a send
-            return uneven_live.recover(self, err)
+            return self._failed(err)
         self._out = True
         handles = [h for h in (self._pending, self._sum[0]) if h is not None and not h.is_noop]
         self._waiter = Waiter(handles) if handles else None
@@ -313,7 +313,7 @@ class UnevenRounds(LocalRounds):
             waiter, self._waiter = self._waiter, None
             waiter.thread.join()
             if waiter.error is not None:  # dropped and rebuilt with membership=, else raised
-                return uneven_live.recover(self, waiter.error)
+                return self._failed(waiter.error)
         self._mix_in(self.count)
         self._out = False
         self.mixed += 1
@@ -331,6 +331,13 @@ class UnevenRounds(LocalRounds):
             self.total, self.count_at_launch = total, count
             self._sum = None
         self._check_budget()
+
+    def _failed(self, error: BaseException) -> None:
+        """A round ended in ``error``: live membership rebuilds (:meth:`regrouped` after),
+        else it is raised."""
+        if self.live is None:
+            raise error
+        self.live.failed(self, error)
 
     def _start(self) -> GossipHandle | None:
         assert self.anchor is not None
