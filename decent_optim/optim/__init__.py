@@ -24,7 +24,7 @@ module                                         what it does
 :mod:`~decent_optim.optim.local_steps`         every ``local_steps`` steps, with anchors
 :mod:`~decent_optim.optim.doubling`            periods that double after a warm-up
 :mod:`~decent_optim.optim.uneven`              uneven periods: mixed once arrived
-:mod:`~decent_optim.optim.uneven_periods`      shorter periods for slow ranks
+:mod:`~decent_optim.optim.uneven_periods`      their clock: progress, budget, periods
 :mod:`~decent_optim.optim.uneven_loop`         the loop uneven ranks write; round checks
 :mod:`~decent_optim.optim.waiter`              a round's transfers waited for in a thread
 :mod:`~decent_optim.optim.outer`               the period end: nothing, DiLoCo, slow weights
