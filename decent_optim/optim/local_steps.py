@@ -194,10 +194,7 @@ class LocalRounds(Rounds):
 
     def _mix_in(self, after: int) -> None:
         # after: the count at the end of this step (live membership's resume round)
-        if self._relaunch:  # a checkpoint saved with the round in flight: send it again
-            self._relaunch = False
-            self._pending = self._start()
-        handle, self._pending, self._sent = self._pending, None, False
+        handle = self._taken()
         if handle is None or not self._arrived(handle, after):
             return
         assert self.anchor is not None

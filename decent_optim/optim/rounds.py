@@ -254,6 +254,11 @@ class Rounds:
     def _take(self) -> GossipHandle | None:
         self._check_versions()
         self._versions = None  # the round is taken: writes are safe until the next launch
+        return self._taken()
+
+    def _taken(self) -> GossipHandle | None:
+        """The round in flight, no longer pending; first launched again where a loaded
+        checkpoint had it in flight (every rank resumes together, so the sends match)."""
         if self._relaunch:
             self._relaunch = False
             self._pending = self._start()
