@@ -93,7 +93,8 @@ def run_uneven(rank, n, sleeps, budget, local_steps, options=None) -> Run:
         train_step(model, opt, rank, steps)
         if opt.round != before:
             mixed_at.append(steps)
-            totals.append(opt._rounds.total)
+            # the ranks' summed steps at the round just mixed, as its checkpoint records them
+            totals.append(opt.state_dict()["decent_optim"]["local_steps"]["uneven"]["total"])
         steps += 1
     return Run(vector(model), steps, mixed_at, opt.progress, opt.round, totals)
 

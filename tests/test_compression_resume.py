@@ -145,8 +145,8 @@ def _resize(rank, n, folder, stage, compression="int8"):
         checkpoint.wait(root)
         return None
     checkpoint.load(root, model, opt)
-    groups = opt._rounds.gossip._compressed.values()
-    primed = [g._primed for g in groups]  # after a resize: no public copies (exact values next)
+    groups = opt.state_dict()["decent_optim"]["public_copies"]["groups"].values()
+    primed = [g["primed"] for g in groups]  # after a resize: no public copies (exact values next)
     for t in range(5, 9):
         train_step(model, opt, rank, t)
     return primed, bool(torch.isfinite(vector(model)).all())

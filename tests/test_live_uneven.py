@@ -50,6 +50,11 @@ def _optimizer(model, live, patient, changes=None):
     )
 
 
+def _launched(opt):
+    """The rounds this rank launched so far, as its checkpoint records them."""
+    return opt.state_dict()["decent_optim"]["local_steps"]["uneven"]["launched"]
+
+
 def _loop(opt, model, member, out, sleep=0.0, hook=None):
     """Train to the budget; from the step in which the group was rebuilt (or from the start:
     a newcomer sets ``out["steps"]``) record per step whether it mixed and launched a round,
@@ -63,15 +68,16 @@ def _loop(opt, model, member, out, sleep=0.0, hook=None):
         time.sleep(sleep)
         _loss(model, member, t).backward()
         grad, before = _live.flat(p.grad for p in params), _live.flat(params)
-        generation, launched, mixed = opt.membership.generation, opt._rounds.launched, opt.round
+        generation, launched, mixed = opt.membership.generation, _launched(opt), opt.round
         opt.step()
         opt.zero_grad()
-        went = opt._rounds.launched if opt._rounds.launched != launched else None
+        now = _launched(opt)
+        went = now if now != launched else None
         if opt.membership.generation != generation:
             out["changed"] = {"x": _live.flat(params), "before": before, "round": opt.round}
             out["grads"] = torch.zeros_like(grad)
             # the change sets the rounds launched to the round; a launch in the same step
-            went = opt.round + 1 if opt._rounds.launched > opt.round else None
+            went = opt.round + 1 if now > opt.round else None
             steps = out["steps"] = [(t, None, went)]
         elif steps is not None:
             out["grads"] += grad

@@ -23,7 +23,9 @@ def _straight_and_resumed(rank, n, local_steps, save_at, steps):
         return model, cls(_param_groups(model), **kwargs, topology="ring", local_steps=local_steps)
 
     def sits_out(opt):
-        return opt._rounds._pending is None  # this rank's round has nothing to exchange
+        # this rank's round (the one just launched) has nothing to exchange
+        topo, rank, round = opt.topology, opt.rank, opt.round
+        return not topo.in_peers(rank, round) and not topo.out_peers(rank, round)
 
     run = resume_in_memory(rank, make, save_at, steps, note=sits_out)
     return run.noted, run.straight, run.resumed

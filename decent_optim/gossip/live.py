@@ -19,6 +19,7 @@ group, on tags above every optimizer's round tags.
 from __future__ import annotations
 
 import datetime
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from decent_optim import topologies
 from decent_optim.gossip.codec_base import Codec
 from decent_optim.gossip.collectives import channel, comm_device, gather_ints
 from decent_optim.gossip.failures import GossipError
@@ -34,7 +36,7 @@ from decent_optim.gossip.membership import Membership, MembershipError, View
 from decent_optim.gossip.watch import waits
 from decent_optim.topologies import Topology
 
-__all__ = ["Regrouped", "enter", "give", "gossiper", "regroup", "take"]
+__all__ = ["Regrouped", "enter", "give", "gossiper", "regroup", "take", "topology_for"]
 
 #: the tags of a state transfer (the newcomer's fit, the head, then one per tensor)
 TAG = 1 << 30
@@ -122,6 +124,30 @@ def gossiper(
     )
     gossip.watch = membership.watch
     return gossip
+
+
+def topology_for(name: str, view: View, local_world_size: int) -> Topology:
+    """The topology ``name`` for the survivors of ``view``.
+
+    ``local_world_size`` is kept while the members are whole nodes of the first group (every
+    member's node-mates are members: the new ranks then still fill nodes in order); otherwise
+    every worker counts as a node of its own (exchanges stay exact; only the by-node saving on
+    slow links is lost). A topology that does not fit the new size (``one-peer-exp`` on 3
+    workers) falls back to ``"ring"``, with a warning.
+    """
+    n, width, members = view.world_size, local_world_size, set(view.members)
+    if any(m - m % width + k not in members for m in members for k in range(width)):
+        width = 1
+    try:
+        return topologies.get(name, n, width)
+    except ValueError as err:
+        warnings.warn(
+            f"live membership: topology {name!r} does not fit the {n} survivors ({err}); "
+            'they gossip with topology="ring" instead',
+            UserWarning,
+            stacklevel=2,
+        )
+        return topologies.get("ring", n, width)
 
 
 def enter(membership: Membership, timeout: datetime.timedelta | None) -> tuple[View, int, Any]:

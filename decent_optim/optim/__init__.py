@@ -24,13 +24,12 @@ module                                         what it does
 :mod:`~decent_optim.optim.local_steps`         every ``local_steps`` steps, with anchors
 :mod:`~decent_optim.optim.doubling`            periods that double after a warm-up
 :mod:`~decent_optim.optim.uneven`              uneven periods: mixed once arrived
-:mod:`~decent_optim.optim.uneven_periods`      shorter periods for slow ranks
+:mod:`~decent_optim.optim.uneven_periods`      their clock: progress, budget, periods
 :mod:`~decent_optim.optim.uneven_loop`         the loop uneven ranks write; round checks
 :mod:`~decent_optim.optim.waiter`              a round's transfers waited for in a thread
 :mod:`~decent_optim.optim.outer`               the period end: nothing, DiLoCo, slow weights
 *live membership*
-:mod:`~decent_optim.optim.live`                a lost worker: the survivors train on
-:mod:`~decent_optim.optim.uneven_live`         the same with ``uneven=True``
+:mod:`~decent_optim.optim.live`                a lost worker, a newcomer: every schedule
 :mod:`~decent_optim.optim.joining`             a newcomer takes a member's state
 *checkpoints*
 :mod:`~decent_optim.optim.state_dicts`         ``state_dict`` / ``load_state_dict``

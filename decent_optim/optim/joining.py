@@ -23,7 +23,7 @@ the group). The constructor blocks until the members have let it in:
    up) and gossips from round :math:`R` on, step-locked with the others (with
    ``compression=``, on new groups whose first rounds send exact values, as the members';
    with ``uneven=True`` it stands at round :math:`R` and launches round :math:`R + 1`
-   after its first step: :mod:`~decent_optim.optim.uneven_live`).
+   after its first step: :meth:`Live.failed <decent_optim.optim.live.Live.failed>`).
 
 What the newcomer holds is a copy of the source's state :math:`x_0` at count :math:`c_0`, not
 the mean, so the mean of the :math:`n+1` workers becomes
@@ -242,11 +242,8 @@ def receive(owner: Any, resume: int) -> None:
                     entry["step"] = b.steps()[1][i]
                 owner.state[p] = entry  # views of the received buffers: bound at the next step
             k += 1
-    owner.topology, owner._member.slot = live.adopt(width, slot), slot
+    owner.topology, owner._member.slot = live.adopt(rounds, width, slot), slot
     owner._averaged.done = True  # the members asked at their first steps, long ago
-    rounds.count = count
-    if getattr(rounds, "anchor", False) is None:  # local steps: what it sends is what it holds
-        rounds.anchor = [b.clone() for b in owner._flat.buffers]
     # step-locked: round `count`, if the others launch it now (count >= resume); uneven: it
     # stands at round `resume` and launches round `resume` + 1 after its first step
-    rounds.enter(resume)
+    rounds.join(count, resume)

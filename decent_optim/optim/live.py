@@ -36,6 +36,16 @@ read the store once per round (:meth:`Membership.pending
 <decent_optim.gossip.membership.Membership.pending>`, one key), take it in by the same steps
 2-4, and new rank 0 sends it its state (:mod:`decent_optim.optim.joining`).
 
+With ``uneven=True`` (:mod:`~decent_optim.optim.uneven`) the same steps 2-4 run through the
+same object, at the rounds instead of the step counts: a rank notices a failure in the step
+that would mix the round (once the round's waiter thread ended, so no wait is left on the old
+group) or when a launch fails or finds a change asked for (:meth:`Live.failed`,
+:meth:`Live.asked`); the survivors go on at the largest ``opt.round`` (they differ by at most
+one), the progress carries over as a resize carries it, and the periods restart
+(``regrouped`` of the rounds). A newcomer stands at round :math:`R` and launches round
+:math:`R + 1` after its first step. The derivation of the mean and the budget is in
+``docs/surviving_failures.rst`` ("With uneven workers").
+
 With ``compression=``, the public copies of compressed gossip
 (:mod:`decent_optim.gossip.compressed`) belong to the groups of the old topology: at a change
 every member (a newcomer too) builds its new gossiper with the same codec and no copies, so
@@ -45,8 +55,7 @@ another world size, and the copies are rebuilt from there.
 Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H`` with or
 without ``outer`` (the outer step on the anchors, or on each rank's slow weights: each
 survivor keeps its own; a newcomer receives the source's, as a resume would) -- and
-``uneven=True`` without ``outer`` (:mod:`~decent_optim.optim.uneven_live`),
-with exact or compressed gossip, over the default process group, a topology given by
+``uneven=True`` without ``outer``, with exact or compressed gossip, over the default process group, a topology given by
 name, and one decentralized optimizer per process. Everything else is refused when the
 optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
 ``consensus_distance()``, ``checkpoint.load``) still raise a ``GossipError`` when a member is
@@ -58,15 +67,14 @@ commit still waiting for a lost member's file gives up: :func:`superseded`).
 from __future__ import annotations
 
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from decent_optim import topologies
 from decent_optim.gossip import Gossiper, GossipError, GossipHandle
-from decent_optim.gossip.live import gossiper, regroup
-from decent_optim.gossip.membership import Membership, View
+from decent_optim.gossip.failures import connection_closed
+from decent_optim.gossip.live import gossiper, regroup, topology_for
+from decent_optim.gossip.membership import Membership, MembershipChanged, View
 from decent_optim.optim import joining
 from decent_optim.topologies import Topology
 
@@ -141,30 +149,6 @@ def superseded(owner: Any, every: float = 0.2) -> Callable[[], bool]:
         return bool(seen) and now - seen[0] >= live.membership.timeout / 2
 
     return changed
-
-
-def topology_for(name: str, view: View, local_world_size: int) -> Topology:
-    """The topology ``name`` for the survivors of ``view``.
-
-    ``local_world_size`` is kept while the members are whole nodes of the first group (every
-    member's node-mates are members: the new ranks then still fill nodes in order); otherwise
-    every worker counts as a node of its own (exchanges stay exact; only the by-node saving on
-    slow links is lost). A topology that does not fit the new size (``one-peer-exp`` on 3
-    workers) falls back to ``"ring"``, with a warning.
-    """
-    n, width, members = view.world_size, local_world_size, set(view.members)
-    if any(m - m % width + k not in members for m in members for k in range(width)):
-        width = 1
-    try:
-        return topologies.get(name, n, width)
-    except ValueError as err:
-        warnings.warn(
-            f"live membership: topology {name!r} does not fit the {n} survivors ({err}); "
-            'they gossip with topology="ring" instead',
-            UserWarning,
-            stacklevel=2,
-        )
-        return topologies.get("ring", n, width)
 
 
 def attach(
@@ -276,13 +260,40 @@ class Live:
         if self.on_change is not None:
             self.on_change(new.view)
 
-    def adopt(self, width: int, slot: int) -> Topology:
+    def failed(self, rounds: Rounds, error: BaseException) -> None:
+        """Uneven periods: ``error`` ended a round (its waiter joined, or its launch): steps
+        2-4 with the survivors' largest :attr:`~Rounds.round`, then ``rounds.regrouped`` and
+        the newcomers' state at once; re-raise ``error`` when it is no transport failure."""
+        transport = isinstance(error, GossipError) or (
+            isinstance(error, RuntimeError) and connection_closed(error)
+        )
+        if not transport:
+            raise error
+        before = rounds.gossip.world_size
+        # one peer named: its connection closed; several: a timed-out wait (step 2)
+        peers = getattr(error, "peers", ())
+        self.recover(rounds, peers if len(peers) == 1 else (), rounds.round)  # resume: the max
+        rounds.regrouped(before)
+        lost = self.hand_over(rounds)  # this rank is the source of newcomers' state
+        if lost is not None:
+            error = GossipError(f"a newcomer's state transfer failed (ranks {list(lost)})")
+            error.peers = lost
+            self.failed(rounds, error)
+
+    def asked(self) -> None:
+        """Uneven periods, before a launch: raise :class:`MembershipChanged` if a member or a
+        newcomer asked for a change (one check of a store key); a round's watched wait notices
+        one only while the round is still travelling."""
+        if self.membership.pending():
+            raise MembershipChanged(
+                f"[id {self.membership.me}] a change of membership was asked for"
+            )
+
+    def adopt(self, rounds: Rounds, width: int, slot: int) -> Topology:
         """A newcomer's gossip at the members' ``local_world_size`` and slot (optim.joining)."""
         self.width, self.slot = width, slot
         topo = topology_for(self.topology, self.view, width)
-        owner = self._owner()
-        assert owner is not None  # the newcomer's constructor calls this
-        owner._rounds.gossip = gossiper(
+        rounds.gossip = gossiper(
             self.membership, topo, slot, self.timeout, self.compression, self.deferred
         )
         return topo

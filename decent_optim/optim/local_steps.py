@@ -148,6 +148,12 @@ class LocalRounds(Rounds):
         if self.end.waits and self.periods.ends(self.count):
             self._mix_in(self.count)
 
+    def join(self, count: int, resume: int) -> None:
+        """A newcomer's rounds: what it sends is what it holds (the anchors not received)."""
+        if self.anchor is None:
+            self.anchor = [b.clone() for b in self._flat.buffers]
+        super().join(count, resume)
+
     def synchronize(self) -> None:
         """Mix the round in flight now instead of at the end of the period."""
         self.check_free("synchronize()")
@@ -188,10 +194,7 @@ class LocalRounds(Rounds):
 
     def _mix_in(self, after: int) -> None:
         # after: the count at the end of this step (live membership's resume round)
-        if self._relaunch:  # a checkpoint saved with the round in flight: send it again
-            self._relaunch = False
-            self._pending = self._start()
-        handle, self._pending, self._sent = self._pending, None, False
+        handle = self._taken()
         if handle is None or not self._arrived(handle, after):
             return
         assert self.anchor is not None

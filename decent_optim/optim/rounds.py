@@ -30,9 +30,11 @@ __all__ = ["Members", "Rounds"]
 
 class Members(Protocol):
     """Who the members are, as the rounds ask it: live membership
-    (:class:`~decent_optim.optim.live.Live`), which may skip a round, rebuild the group first,
-    or drop a round that failed. It acts on the rounds only through their methods
-    (:meth:`Rounds.drop`, :meth:`Rounds.start_round`) and their ``gossip`` and ``count``."""
+    (:class:`~decent_optim.optim.live.Live`, one path for every schedule), which may skip a
+    round, rebuild the group first, or drop a round that failed. It acts on the rounds only
+    through their methods (:meth:`Rounds.drop`, :meth:`Rounds.start_round`,
+    :meth:`Rounds.regrouped`, :meth:`Rounds.join`) and their ``gossip``, ``count`` and
+    ``round``."""
 
     resume: int  # rounds below this are not launched (a survivor catching up)
     membership: Any  # the gossip.membership.Membership
@@ -52,6 +54,12 @@ class Members(Protocol):
 
     def hand_over(self, rounds: Rounds) -> tuple[int, ...] | None:
         """Send newcomers their state; None, or the ranks to declare lost."""
+
+    def failed(self, rounds: Rounds, error: BaseException) -> None:
+        """Uneven periods: rebuild after ``error`` ended a round (re-raise any other error)."""
+
+    def asked(self) -> None:
+        """Uneven periods, before a launch: raise if a change of the group was asked for."""
 
 
 class Rounds:
@@ -132,6 +140,16 @@ class Rounds:
         (live membership decides)."""
         self._launch_round()
         self.record_versions()
+
+    def join(self, count: int, resume: int) -> None:
+        """A newcomer's rounds once its state arrived (:mod:`~decent_optim.optim.joining`): at
+        the source's ``count`` steps, the members resuming gossip at round ``resume``."""
+        self.count = count
+        self.enter(resume)
+
+    def regrouped(self, before: int) -> None:
+        """After live membership rebuilt the group of ``before`` ranks at a failed round:
+        nothing to do for step-locked rounds (the next launch is on the new group)."""
 
     def drop(self) -> None:
         """Forget the round in flight without waiting for it (it failed, or was never sent)."""
@@ -236,6 +254,11 @@ class Rounds:
     def _take(self) -> GossipHandle | None:
         self._check_versions()
         self._versions = None  # the round is taken: writes are safe until the next launch
+        return self._taken()
+
+    def _taken(self) -> GossipHandle | None:
+        """The round in flight, no longer pending; first launched again where a loaded
+        checkpoint had it in flight (every rank resumes together, so the sends match)."""
         if self._relaunch:
             self._relaunch = False
             self._pending = self._start()

@@ -21,15 +21,9 @@ far, as its samples count twice in DDP's average. So a plain average is the righ
 push-sum weights), as every period starts from the mixed anchors; local drift stays, as with
 any local steps.
 
-**Progress and the budget.** With each round every rank also launches a sum of the ranks' step
-counts (no waiting), read when the round is mixed: every rank learns the same total
-:math:`S_k` at the same round. :attr:`UnevenRounds.progress` is :math:`S_k / n` plus the rank's
-own steps since it launched round :math:`k` (DDP-equivalent steps, for learning-rate
-schedules); after :meth:`UnevenRounds.stop_at` every rank stops after the step that mixes the
-first round with :math:`S_k / n + H` at the budget or beyond -- the same round on every rank,
-so none waits for a round that no one will send, and a run ends at most a period past its
-budget. A checkpoint keeps these counters (:meth:`UnevenRounds.schedule_state`); loaded by
-another number of ranks, the progress goes on (:meth:`UnevenRounds.load_schedule_state`).
+**Progress and the budget** come from a sum of the ranks' step counts launched with each round
+and read when it is mixed, so every rank learns the same total at the same round; the counters
+they keep are a part of their own, :class:`~decent_optim.optim.uneven_periods.Clock`.
 
 **A cap on drift.** With ``uneven=Uneven(cap=c)`` a rank takes at most :math:`cH` steps
 after launching a round; at the :math:`cH`-th it waits for the round. A rank many times faster
@@ -56,11 +50,10 @@ import torch
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
-from decent_optim.optim import uneven_live
 from decent_optim.optim.local_steps import LocalRounds
 from decent_optim.optim.outer import PeriodEnd
 from decent_optim.optim.uneven_loop import HINT, LOOP, check_same_round
-from decent_optim.optim.uneven_periods import next_period
+from decent_optim.optim.uneven_periods import Clock
 from decent_optim.optim.waiter import Waiter
 
 __all__ = ["UnevenRounds"]
@@ -79,23 +72,14 @@ class UnevenRounds(LocalRounds):
         end: PeriodEnd | None = None,
     ) -> None:
         super().__init__(gossip, flat, None, local_steps, end or PeriodEnd())
-        self.adaptive = adaptive
-        #: the steps this rank takes before it launches its next round (see the module docstring)
-        self.period = local_steps
-        self._next = local_steps  # the period from the next launch on
+        #: progress, budget and periods, from the rounds' sums of step counts (it owns them)
+        self.clock = Clock(local_steps, adaptive)
         #: the most steps between launching a round and mixing it (None: no cap)
         self.longest = None if cap is None else max(local_steps, int(cap * local_steps))
         gossip.hint = HINT
         self.launched = 0  # rounds launched; round k is launched k-th
         self.mixed = 0  # rounds mixed
         self.since = 0  # steps since the last launch (since the start before the first)
-        self.total: float | None = None  # the ranks' summed steps at the last mixed round
-        self.count_at_launch = 0  # this rank's steps when it launched the last mixed round
-        # added to the count this rank sends with a round: the progress its steps before a
-        # resume at another world size stand for (0 otherwise; see load_schedule_state)
-        self.offset = 0.0
-        self.budget: float | None = None
-        self._stopped = False
         self._out = False  # round `launched` is in flight (its handle may be a no-op)
         self._sum: tuple[GossipHandle, torch.Tensor, int] | None = None  # (handle, sum, count)
         self._waiter: Waiter | None = None
@@ -109,9 +93,7 @@ class UnevenRounds(LocalRounds):
     def progress(self) -> float:
         """DDP-equivalent steps so far: the ranks' mean step count at the last mixed round, plus
         this rank's steps since it launched that round (its own count before any)."""
-        if self.total is None:
-            return float(self.count)
-        return self.total / self.gossip.world_size + (self.count - self.count_at_launch)
+        return self.clock.progress(self.count, self.gossip.world_size)
 
     @property
     def round(self) -> int:
@@ -121,14 +103,12 @@ class UnevenRounds(LocalRounds):
     @property
     def stopped(self) -> bool:
         """Whether the budget was reached at a mixed round (the same round on every rank)."""
-        return self._stopped
+        return self.clock.stopped
 
     def stop_at(self, steps: float) -> None:
         """Stop at the first mixed round whose DDP-equivalent progress reaches ``steps``; after
         a stop, a larger budget goes on (every rank must call it alike)."""
-        self.budget = float(steps)
-        self._stopped = False
-        self._check_budget()
+        self.clock.stop_at(steps, self.gossip.world_size)
 
     def check_round(self, what: str) -> None:
         """Raise the same error on every rank if they call the collective ``what`` at
@@ -138,10 +118,10 @@ class UnevenRounds(LocalRounds):
     def take(self) -> None:  # type: ignore[override]
         """Before a step's update: mix the round in flight if it has arrived (no waiting); note
         whether the round mixed (if any) calls for the slow step (:mod:`~decent_optim.optim.outer`)."""
-        mixed, total = self.mixed, self.total
+        mixed, total = self.mixed, self.clock.total
         self._take()
         self.end.start(self._flat.buffers)
-        self._due = self.mixed != mixed and self.end.crossed(total, self.total, self._n)
+        self._due = self.mixed != mixed and self.end.crossed(total, self.clock.total, self._n)
 
     @property
     def _n(self) -> int:
@@ -149,15 +129,15 @@ class UnevenRounds(LocalRounds):
 
     def _take(self) -> None:
         self.check_free("step()")
-        if self.budget is None:
+        if self.clock.budget is None:
             raise RuntimeError(
                 "step() with uneven=True before opt.stop_at(...): the ranks take different "
                 "numbers of steps, so a loop of `for step in range(N)` would end on some ranks "
                 f"while the others wait for their rounds. Write {LOOP}"
             )
-        if self._stopped:
+        if self.clock.stopped:
             raise RuntimeError(
-                f"step() after the budget of {self.budget:g} steps was reached (at round "
+                f"step() after the budget of {self.clock.budget:g} steps was reached (at round "
                 f"{self.mixed}, progress {self.progress:.1f}); every rank stopped at that round. "
                 "End the loop on `opt.stopped`"
             )
@@ -167,7 +147,7 @@ class UnevenRounds(LocalRounds):
         if resent:  # resumed with the round in flight: send it again at once
             self._relaunch = False
             self._send(self._resend_count)
-        if not self._out or self.since < self.period - 1:
+        if not self._out or self.since < self.clock.period - 1:
             return None
         # a round resent at a resume is waited for where it was due: every rank resent it
         # together, and the resumed run then mixes where the saved one would have
@@ -185,25 +165,26 @@ class UnevenRounds(LocalRounds):
             self.end.slow_step(self._flat.buffers)
         self.count += 1
         self.since += 1
-        if self._stopped or self._out or self.since < self.period:
+        if self.clock.stopped or self._out or self.since < self.clock.period:
             return
         assert self.anchor is not None  # take() ran first
         self.end.anchor_step(self._flat.buffers, self.anchor)
         self.launched += 1
-        self.since, self.period = 0, self._next
+        self.since = 0
+        self.clock.launched()
         self._send(self.count)
 
     def synchronize(self) -> None:
         """Mix the round in flight now (waiting for it), instead of when it arrives; the slow
         step at once if that round calls for it."""
         self.check_free("synchronize()")
-        mixed, total = self.mixed, self.total
+        mixed, total = self.mixed, self.clock.total
         if self._relaunch:
             self._relaunch = False
             self._send(self._resend_count)
         if self._out:
             self._settle()
-        if self.mixed != mixed and self.end.crossed(total, self.total, self._n):
+        if self.mixed != mixed and self.end.crossed(total, self.clock.total, self._n):
             self.end.slow_step(self._flat.buffers)
 
     def wait(self, *, check_writes: bool = True) -> None:
@@ -220,74 +201,60 @@ class UnevenRounds(LocalRounds):
         if self._sum is not None:
             self._sum[0].discard()
         self._sum, self._out, self._waiter = None, False, None
-        self.launched = self.mixed = self.since = self.count_at_launch = 0
-        self.total, self.offset, self._stopped = None, 0.0, False
-        self.period = self._next = self.local_steps
+        self.launched = self.mixed = self.since = 0
+        self.clock.restart()
 
     def regrouped(self, before: int) -> None:
-        """After live membership rebuilt the group (:mod:`~decent_optim.optim.uneven_live`, its
-        step 3): the round in flight and its sum dropped, stand at round ``live.resume``, the
+        """After live membership rebuilt the group (:meth:`Live.failed
+        <decent_optim.optim.live.Live.failed>`): the round in flight and its sum dropped, stand at round ``live.resume``, the
         progress carried over from the old group of ``before`` ranks, the periods restarted."""
         assert self.live is not None
         self._sum, self._waiter, self._out, self._relaunch = None, None, False, False
         self.gossip.hint = HINT
         self.launched = self.mixed = self.live.resume
-        if self.total is not None:
-            progress = self.total / before
-            self.total = progress * self.gossip.world_size
-            self.offset = progress - self.count_at_launch
-        self.period = self._next = self.local_steps
+        self.clock.carry(before, self.gossip.world_size)
+        self.clock.restart_periods()
 
     def enter(self, resume: int) -> None:
         """A newcomer's rounds after its state arrived: at round ``resume``, the next launched
         at the end of its first step."""
         self.launched = self.mixed = resume
-        self.since = self.period = self._next = self.local_steps
+        self.since = self.local_steps
+        self.clock.restart_periods()
         self.gossip.hint = HINT  # on the gossiper at the members' size (Live.adopt)
 
     def schedule_state(self) -> dict[str, object]:
         """What a checkpoint keeps besides the anchors (see local_checkpoint)."""
+        clock = self.clock.state()
         return {
             "launched": self.launched,
             "mixed": self.mixed,
             "since": self.since,
-            "total": self.total,
-            "count_at_launch": self.count_at_launch,
+            "total": clock["total"],
+            "count_at_launch": clock["count_at_launch"],
             "sum_count": None if self._sum is None else self._sum[2],
-            "offset": self.offset,
+            "offset": clock["offset"],
             "world_size": self.gossip.world_size,
-            "period": [self.period, self._next],
+            "period": clock["period"],
         }
 
     def load_schedule_state(self, state: dict[str, object]) -> None:
-        r"""Take back :meth:`schedule_state` (after :meth:`reset`).
-
-        Saved by a world of another size (a resize by ``checkpoint.load``), the round in flight
-        is dropped (the resize leaves none pending) and the clock carries over: the total
-        :math:`S_k` of the last mixed round becomes :math:`n S_k / n_{old}`, so the progress,
-        :math:`S_k / n_{old} + c - c_k`, is what it was, and the rank sends
-        :math:`c + S_k / n_{old} - c_k` with its rounds instead of its count :math:`c`
-        (:attr:`offset`): the first round mixed in the new world sums to :math:`n S_k / n_{old}`
-        plus every rank's steps since, and the progress goes on without a jump.
-        """
-        get = state.get
+        """Take back :meth:`schedule_state` (after :meth:`reset`). Saved by a world of
+        another size (a resize by ``checkpoint.load``), the round in flight is dropped (the
+        resize leaves none pending) and the progress carries over (:meth:`Clock.carry
+        <decent_optim.optim.uneven_periods.Clock.carry>`)."""
         self.launched, self.mixed = int(state["launched"]), int(state["mixed"])  # type: ignore[call-overload]
         self.since = int(state["since"])  # type: ignore[call-overload]
-        self.total = None if state["total"] is None else float(state["total"])  # type: ignore[arg-type]
-        self.count_at_launch = int(state["count_at_launch"])  # type: ignore[call-overload]
-        self.offset = float(get("offset", 0.0))  # type: ignore[arg-type]
-        self.period, self._next = (int(m) for m in get("period", [self.local_steps] * 2))  # type: ignore[attr-defined]
+        self.clock.load(state)
         sent = state["sum_count"]
         self._resend_count = self.count if sent is None else int(sent)  # type: ignore[call-overload]
         if not self.in_flight:  # a resize dropped the round in flight: it is launched anew
             self.launched = self.mixed
-        saved_world = get("world_size") or self.gossip.world_size
-        if saved_world != self.gossip.world_size and self.total is not None:
-            progress = self.total / saved_world  # type: ignore[operator]
-            self.total = progress * self.gossip.world_size
-            self.offset = progress - self.count_at_launch
-            self.period = self._next = self.local_steps  # old speeds say nothing of the new world
-        self._check_budget()
+        saved = int(state.get("world_size") or self.gossip.world_size)  # type: ignore[call-overload]
+        if saved != self.gossip.world_size and self.clock.total is not None:
+            self.clock.carry(saved, self.gossip.world_size)
+            self.clock.restart_periods()  # old speeds say nothing of the new world
+        self.clock.check(self.gossip.world_size)
 
     # -- internals -------------------------------------------------------------------------------
     _resend_count = 0
@@ -295,14 +262,15 @@ class UnevenRounds(LocalRounds):
     def _send(self, count: int) -> None:
         """Launch round :attr:`launched` with the anchors, and the sum of the step counts
         (``count``: this rank's steps when it launched the round)."""
-        values = torch.tensor([float(count) + self.offset], dtype=torch.float64)
+        values = torch.tensor([self.clock.sent(count)], dtype=torch.float64)
         what = f"the step counts of round {self.launched}"
         try:
-            uneven_live.launching(self)  # a change asked for (a newcomer): rebuild first
+            if self.live is not None:
+                self.live.asked()  # a change asked for (a newcomer): rebuild first
             self._pending = self._start()
             self._sum = (self.gossip.sum_async(values, what, HINT), values, count)
         except RuntimeError as err:  # a change asked for, or a dead peer's error from a send
-            return uneven_live.recover(self, err)
+            return self._failed(err)
         self._out = True
         handles = [h for h in (self._pending, self._sum[0]) if h is not None and not h.is_noop]
         self._waiter = Waiter(handles) if handles else None
@@ -313,34 +281,26 @@ class UnevenRounds(LocalRounds):
             waiter, self._waiter = self._waiter, None
             waiter.thread.join()
             if waiter.error is not None:  # dropped and rebuilt with membership=, else raised
-                return uneven_live.recover(self, waiter.error)
+                return self._failed(waiter.error)
         self._mix_in(self.count)
         self._out = False
         self.mixed += 1
         if self._sum is not None:
             handle, values, count = self._sum
             handle.wait_and_mix_()
-            total = float(values.item())
-            if self.adaptive and self.total is not None:
-                self._next = next_period(
-                    self.local_steps,
-                    total - self.total,
-                    self.gossip.world_size,
-                    count - self.count_at_launch,
-                )
-            self.total, self.count_at_launch = total, count
+            self.clock.mixed(float(values.item()), count, self.gossip.world_size)
             self._sum = None
-        self._check_budget()
+        else:
+            self.clock.check(self.gossip.world_size)
+
+    def _failed(self, error: BaseException) -> None:
+        """A round ended in ``error``: live membership rebuilds (:meth:`regrouped` after),
+        else it is raised."""
+        if self.live is None:
+            raise error
+        self.live.failed(self, error)
 
     def _start(self) -> GossipHandle | None:
         assert self.anchor is not None
         handle = self.gossip.start(self.anchor, self.launched)
         return None if handle.is_noop else handle
-
-    def _check_budget(self) -> None:
-        # by the end of the step that mixes round k every rank has taken at least local_steps
-        # steps since launching it: S_k / n + local_steps, the same number on every rank
-        if self.budget is None or self.total is None:
-            return
-        if self.total / self.gossip.world_size + self.local_steps >= self.budget:
-            self._stopped = True

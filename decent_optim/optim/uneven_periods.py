@@ -1,4 +1,24 @@
-r"""Periods for uneven ranks: a rank slower than the mean launches its rounds after fewer steps.
+r"""The clock of uneven ranks: what the rounds' summed step counts tell a rank (:class:`Clock`).
+
+It owns the counters of :mod:`~decent_optim.optim.uneven`'s rounds that come from the sums of
+step counts: the ranks' summed steps :math:`S_k` at the last mixed round, this rank's count when
+it launched it, the offset a resume at another world size adds, the budget, and the period of
+steps before the next launch.
+
+**Progress and the budget.** With each round every rank also launches a sum of the ranks' step
+counts (no waiting), read when the round is mixed: every rank learns the same total
+:math:`S_k` at the same round. The progress
+(:attr:`~decent_optim.optim.uneven.UnevenRounds.progress`) is :math:`S_k / n` plus the rank's
+own steps since it launched round :math:`k` (DDP-equivalent steps, for learning-rate
+schedules); after :meth:`~decent_optim.optim.uneven.UnevenRounds.stop_at` every rank stops after
+the step that mixes the first round with :math:`S_k / n + H` at the budget or beyond -- the same
+round on every rank, so none waits for a round that no one will send, and a run ends at most a
+period past its budget. A checkpoint keeps these counters
+(:meth:`~decent_optim.optim.uneven.UnevenRounds.schedule_state`); loaded by another number of
+ranks, the progress goes on (:meth:`Clock.carry`).
+
+**Shorter periods for slow ranks**: a rank slower than the mean launches its rounds after fewer
+steps.
 
 In :mod:`~decent_optim.optim.uneven` a rank mixes a round once it has arrived and it has taken
 its period of steps since launching it. With a period of :math:`H` steps on every rank, a
@@ -20,7 +40,7 @@ on even hardware every :math:`c_i = \bar c = H`, so :math:`m_i = H`.
 
 from __future__ import annotations
 
-__all__ = ["next_period"]
+__all__ = ["Clock", "next_period"]
 
 
 def next_period(local_steps: int, summed: float, world_size: int, own: int) -> int:
@@ -30,3 +50,97 @@ def next_period(local_steps: int, summed: float, world_size: int, own: int) -> i
     if own <= 0 or not mean > 0:
         return local_steps
     return min(local_steps, max(1, int(local_steps * own / mean + 0.5)))
+
+
+class Clock:
+    """The counters of the module docstring, for ``local_steps`` steps a period and, with
+    ``adaptive``, shorter periods for slow ranks (:func:`next_period`)."""
+
+    def __init__(self, local_steps: int, adaptive: bool) -> None:
+        self.local_steps, self.adaptive = local_steps, adaptive
+        self.budget: float | None = None  # of stop_at, in DDP-equivalent steps
+        self.restart()
+
+    def restart(self) -> None:
+        """As at a fresh start (no round mixed); the budget stays."""
+        self.total: float | None = None  # the ranks' summed steps at the last mixed round
+        self.count_at_launch = 0  # this rank's steps when it launched the last mixed round
+        # added to the count this rank sends with a round: the progress its steps before a
+        # resume at another world size stand for (0 otherwise; see carry)
+        self.offset = 0.0
+        self.stopped = False
+        self.restart_periods()
+
+    def restart_periods(self) -> None:
+        """``local_steps`` again: old speeds say nothing of a new group."""
+        #: the steps this rank takes before it launches its next round
+        self.period = self.next = self.local_steps
+
+    def progress(self, count: int, world: int) -> float:
+        """DDP-equivalent steps at this rank's ``count``: :math:`S_k / n` plus its steps since
+        it launched round :math:`k` (its own count before any round was mixed)."""
+        if self.total is None:
+            return float(count)
+        return self.total / world + (count - self.count_at_launch)
+
+    def sent(self, count: int) -> float:
+        """What this rank adds to the sum of a round it launches at ``count`` steps."""
+        return float(count) + self.offset
+
+    def launched(self) -> None:
+        """A round was launched: the period from now on is the one computed at the last mix."""
+        self.period = self.next
+
+    def mixed(self, total: float, count: int, world: int) -> None:
+        """A round's sum arrived: ``total``, for the round this rank launched at ``count``."""
+        if self.adaptive and self.total is not None:
+            self.next = next_period(
+                self.local_steps, total - self.total, world, count - self.count_at_launch
+            )
+        self.total, self.count_at_launch = total, count
+        self.check(world)
+
+    def carry(self, before: int, world: int) -> None:
+        r"""From a group of ``before`` ranks to one of ``world`` (a resize, a change of live
+        membership): the total :math:`S_k` of the last mixed round becomes
+        :math:`n S_k / n_{old}`, so the progress, :math:`S_k / n_{old} + c - c_k`, is what it
+        was, and the rank sends :math:`c + S_k / n_{old} - c_k` with its rounds instead of its
+        count :math:`c` (:attr:`offset`): the first round mixed in the new group sums to
+        :math:`n S_k / n_{old}` plus every rank's steps since, and the progress goes on without
+        a jump."""
+        if self.total is not None:
+            progress = self.total / before
+            self.total = progress * world
+            self.offset = progress - self.count_at_launch
+
+    def stop_at(self, steps: float, world: int) -> None:
+        """Set the budget; after a stop, a larger budget goes on."""
+        self.budget, self.stopped = float(steps), False
+        self.check(world)
+
+    def check(self, world: int) -> None:
+        """Stop when :math:`S_k / n + H` reaches the budget: by the end of the step that mixes
+        round :math:`k` every rank has taken at least ``local_steps`` steps since launching it,
+        so the same number on every rank."""
+        if self.budget is None or self.total is None:
+            return
+        if self.total / world + self.local_steps >= self.budget:
+            self.stopped = True
+
+    def state(self) -> dict[str, object]:
+        """The counters a checkpoint keeps (of :meth:`UnevenRounds.schedule_state
+        <decent_optim.optim.uneven.UnevenRounds.schedule_state>`)."""
+        return {
+            "total": self.total,
+            "count_at_launch": self.count_at_launch,
+            "offset": self.offset,
+            "period": [self.period, self.next],
+        }
+
+    def load(self, state: dict[str, object]) -> None:
+        """Take back :meth:`state` (entries absent from older checkpoints: their defaults)."""
+        get = state.get
+        self.total = None if state["total"] is None else float(state["total"])  # type: ignore[arg-type]
+        self.count_at_launch = int(state["count_at_launch"])  # type: ignore[call-overload]
+        self.offset = float(get("offset", 0.0))  # type: ignore[arg-type]
+        self.period, self.next = (int(m) for m in get("period", [self.local_steps] * 2))  # type: ignore[attr-defined]
