@@ -18,7 +18,9 @@ parts (``x<f>`` the peak rate as a multiple of DDP's; the others as ``name<numbe
   estimate of DDP's (the second moment of the mean of all n workers' gradients,
   :func:`mean_square`), its first moment stays its own fresh gradient's (twice the bytes);
   ``gmean`` (a diagnosis, with a barrier) the fresh mean of all workers' clipped gradients:
-  on ``complete``, DDP but for the clipping, which is each worker's.
+  on ``complete``, DDP but for the clipping, which is each worker's; ``vfresh`` (also a
+  diagnosis) the fresh mean's square in place of ``vmix``'s estimate; ``nofloor`` drops the
+  floor ``v / n`` under ``vmix``'s second moment.
 * consensus control: ``pga<H>`` makes every ``H``-th round a global average (the exact mean,
   launched like a round and applied one step later); ``pgaw<K>`` only for the first ``K``
   steps, then every ``pgal<H>``-th (dense early, rare late).
@@ -71,7 +73,7 @@ class AdamW:
         self.betas, self.wd, self.decay, self.t = betas, wd, decay, 0
         self.share = share
         self.u: torch.Tensor | None = None  # vmix: the second moment of the mean, estimated
-        self.n = x.shape[0]
+        self.n, self.floor = x.shape[0], True
 
     def step(
         self, x: torch.Tensor, g: torch.Tensor, lr: float, u: torch.Tensor | None = None
@@ -87,7 +89,8 @@ class AdamW:
             # of all n workers; floored at v / n, which that square's expectation cannot undercut
             self.u = torch.zeros_like(u) if self.u is None else self.u
             self.u.mul_(b2).add_(u, alpha=1 - b2)
-            denom = torch.maximum(self.u, self.v / self.n).div_(bc2).sqrt_().add_(1e-8)
+            floor = self.v / self.n if self.floor else torch.zeros_like(self.v)
+            denom = torch.maximum(self.u, floor).div_(bc2).sqrt_().add_(1e-8)
             x.addcdiv_(self.m, denom, value=-lr / bc1)
             return
         if self.share == 1.0:
@@ -244,6 +247,7 @@ class Method:
         s = int(m.get("accum", 1))
         self.rule = (AccumAdamW(self.x, task.decay, betas, s) if s > 1
                      else AdamW(self.x, task.decay, betas, share=m.get("vcorr", 1.0)))  # fmt: skip
+        self.rule.floor = "nofloor" not in m
         if m["kind"] == "diloco":
             self.h, self.theta, self.buf = int(m.get("H", 1)), task.start.clone(), None
         if m["kind"] == "decent":
@@ -280,6 +284,8 @@ class Method:
                 self._outer()
             return
         u = self._mean_square(g, t) if "vmix" in self.m else None
+        if "vfresh" in self.m:  # a diagnosis, with a barrier: the fresh mean's square
+            u = g.mean(0, keepdim=True).square().expand_as(g)
         if "gmix" in self.m:
             g = self._mixed_gradient(g, t)
         if "gmean" in self.m:  # a barrier: the fresh mean of the clipped gradients, no gossip

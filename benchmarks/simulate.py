@@ -60,11 +60,15 @@ def load(path: Path) -> list[dict]:
 def table(rows: list[dict]) -> str:
     """Markdown: per (workers, method) and seed, steps to DDP's loss / DDP's steps and the loss
     at the budget relative to DDP's."""
-    ddp = {(r["workers"], r["seed"], r["workload"]): r for r in rows if r["method"] == "ddp"}
+
+    def schedule(r: dict) -> tuple:  # a file may hold runs of several schedules
+        return r["workers"], r["seed"], r["workload"], r["steps"], r["warmup"]
+
+    ddp = {schedule(r): r for r in rows if r["method"] == "ddp"}
     out = ["| workload | workers | method | seed | steps to DDP's loss (x DDP's) | loss at the budget (vs DDP) |",
            "|---|---:|---|---:|---|---|"]  # fmt: skip
     for r in rows:
-        base = ddp.get((r["workers"], r["seed"], r["workload"]))
+        base = ddp.get(schedule(r))
         if base is None or r["method"] == "ddp":
             continue
         reach = r["steps_to_target"]

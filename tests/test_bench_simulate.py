@@ -214,3 +214,19 @@ def test_vmix_gives_every_worker_ddps_step_on_a_stationary_stream():
     own = mu / (mu.square() + 1).sqrt()
     assert (step - ddp).abs().mean() < 0.05
     assert (step - own).abs().mean() > 0.2
+
+
+def test_the_table_compares_each_run_with_ddp_on_its_own_schedule():
+    """A results file holding two schedules: each run's multiple is of its own schedule's DDP."""
+    import simulate
+
+    def row(method, steps, reached, loss):
+        return {"workload": "char", "workers": 4, "seed": 0, "steps": steps, "warmup": 8,
+                "method": method, "steps_to_target": reached, "final_loss": loss,
+                "curve": [[steps, loss]]}  # fmt: skip
+
+    rows = [row("ddp", 480, None, 0.5), row("ddp", 96, None, 1.5),
+            row("decent:ring", 96, 120, 1.5), row("decent:ring", 480, 600, 0.5)]  # fmt: skip
+    lines = simulate.table(rows).splitlines()[2:]
+    assert "120 (1.25x)" in lines[0] and "+0.0%" in lines[0]
+    assert "600 (1.25x)" in lines[1] and "+0.0%" in lines[1]
