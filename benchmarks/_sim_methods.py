@@ -20,7 +20,9 @@ parts (``x<f>`` the peak rate as a multiple of DDP's; the others as ``name<numbe
   ``gmean`` (a diagnosis, with a barrier) the fresh mean of all workers' clipped gradients:
   on ``complete``, DDP but for the clipping, which is each worker's; ``vfresh`` (also a
   diagnosis) the fresh mean's square in place of ``vmix``'s estimate; ``nofloor`` drops the
-  floor ``v / n`` under ``vmix``'s second moment.
+  floor ``v / n`` under ``vmix``'s second moment; ``ahead`` takes each worker's gradient not
+  at its own parameters but at its last mixed ones moved as they moved between the last two
+  mixes (where the mean is headed), while the round still carries its own update.
 * consensus control: ``pga<H>`` makes every ``H``-th round a global average (the exact mean,
   launched like a round and applied one step later); ``pgaw<K>`` only for the first ``K``
   steps, then every ``pgal<H>``-th (dense early, rare late).
@@ -255,6 +257,8 @@ class Method:
             self.gossip = Gossip(groups, task.local_world_size, m["codec"], task.buckets)
             self.prev: torch.Tensor | None = None
         self.global_rounds = 0
+        self.mixed: torch.Tensor | None = None  # ahead: the rows after the last two mixes
+        self.mixed_before: torch.Tensor | None = None
 
     def consensus(self) -> torch.Tensor:
         return self.x.mean(0)
@@ -276,8 +280,13 @@ class Method:
                 g = self.task.ddp_grad(x[0], t).unsqueeze(0)
             self.rule.step(x, g, lr)
             return
+        at = x
+        if "ahead" in self.m and self.mixed is not None:
+            # the gradient where the mean will be: the last mixed rows moved as they moved last
+            last = self.mixed if self.mixed_before is None else self.mixed_before
+            at = self.mixed + (self.mixed - last)
         with torch.enable_grad():
-            g = self.task.grads(x, t)
+            g = self.task.grads(at, t)
         if kind == "diloco":
             self.rule.step(x, g, lr)
             if (t + 1) % self.h == 0:
@@ -297,6 +306,8 @@ class Method:
                 self.rule.m[:] = self.rule.m.mean(0, keepdim=True)
         elif t > 0:  # round 0 would mix the start, equal everywhere: the package skips it
             self.gossip.mix_(x, t, [self.rule.m] if "mmix" in self.m else [])
+        if "ahead" in self.m:
+            self.mixed_before, self.mixed = self.mixed, x.clone()
         self.rule.step(x, g, lr, u) if u is not None else self.rule.step(x, g, lr)
 
     def _mean_square(self, g: torch.Tensor, t: int) -> torch.Tensor:
