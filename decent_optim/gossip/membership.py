@@ -43,7 +43,6 @@ import datetime
 import gc
 import time
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -51,6 +50,7 @@ from decent_optim.gossip import membership_store
 from decent_optim.gossip.failures import GossipError
 from decent_optim.gossip.membership_args import built, check_arguments, check_place, warn_if_alone
 from decent_optim.gossip.membership_log import log_change
+from decent_optim.gossip.view import View
 from decent_optim.gossip.watch import Waits, waits
 
 __all__ = ["Membership", "MembershipChanged", "MembershipError", "View"]
@@ -62,19 +62,6 @@ class MembershipError(GossipError):
 
 class MembershipChanged(GossipError):
     """Another member started a change of membership: call :meth:`Membership.rebuild`."""
-
-
-class View(NamedTuple):
-    """The group after a change: ``members[r]`` is the id (first rank) of the new rank ``r``."""
-
-    generation: int
-    members: tuple[int, ...]
-    rank: int
-    lost: tuple[int, ...]
-
-    @property
-    def world_size(self) -> int:
-        return len(self.members)
 
 
 def _ids(text: str) -> set[int]:

@@ -9,10 +9,8 @@ output. A join that loses nobody is ``INFO``.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from decent_optim.gossip.membership import View
+from decent_optim.gossip.view import View
 
 __all__ = ["log_change"]
 
