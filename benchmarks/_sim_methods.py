@@ -91,8 +91,8 @@ class AdamW:
             # of all n workers; floored at v / n, which that square's expectation cannot undercut
             self.u = torch.zeros_like(u) if self.u is None else self.u
             self.u.mul_(b2).add_(u, alpha=1 - b2)
-            floor = self.v / self.n if self.floor else torch.zeros_like(self.v)
-            denom = torch.maximum(self.u, floor).div_(bc2).sqrt_().add_(1e-8)
+            second = torch.maximum(self.u, self.v / self.n) if self.floor else self.u.clone()
+            denom = second.div_(bc2).sqrt_().add_(1e-8)
             x.addcdiv_(self.m, denom, value=-lr / bc1)
             return
         if self.share == 1.0:
@@ -255,7 +255,8 @@ class Method:
         if m["kind"] == "decent":
             groups = topology_groups(m["topology"], task.n, task.local_world_size)
             self.gossip = Gossip(groups, task.local_world_size, m["codec"], task.buckets)
-            self.prev: torch.Tensor | None = None
+            self.prev: torch.Tensor | None = None  # gmix's gradient of the step before
+            self.vprev: torch.Tensor | None = None  # vmix's
         self.global_rounds = 0
         self.mixed: torch.Tensor | None = None  # ahead: the rows after the last two mixes
         self.mixed_before: torch.Tensor | None = None
