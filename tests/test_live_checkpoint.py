@@ -23,8 +23,9 @@ import pytest
 import torch
 from _harness import run_world, run_world_fresh
 
-TIMEOUT = 8.0  # seconds: the membership agreement's bound on each wait (3 s was too short
-# for rank 0 once, on a slow machine: the others declared it dead at the first cut)
+TIMEOUT = 12.0  # seconds: the membership agreement's bound on each wait (3 s, then 8 s, were too
+# short for rank 0 on a loaded machine: held in its commit at the cut, which gives up half this
+# after the change, it posted too late and the others declared it dead)
 PATIENT = 30.0  # the optimizer's timeout: a loss is noticed by a closed connection or the store
 VICTIM = 2
 EARLY, CUT, LATE = 2, 4, 10  # the steps saved: by 4 ranks, by 3 of 4 (the kill), by 3
