@@ -22,9 +22,8 @@ from decent_optim._validation import (
     check_unsupported,
 )
 from decent_optim.optim import frameworks, joining, live, live_owner, schedules, stepping
-from decent_optim.optim.budget import Budgeted
 from decent_optim.optim.consensus import ConsensusViews
-from decent_optim.optim.facts import WorkerFacts
+from decent_optim.optim.facts import Budgeted, WorkerFacts
 from decent_optim.optim.failure import FailureLatch, guarded
 from decent_optim.optim.inputs import AveragedCheck
 from decent_optim.optim.local_steps import Periods

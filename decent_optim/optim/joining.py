@@ -170,10 +170,10 @@ def _payload(owner: Any) -> list[Tensor]:
 
 def _saved(owner: Any) -> list[tuple[str, list[Tensor], bool]]:
     """What the rounds keep besides the parameters, as a checkpoint has it
-    (:meth:`~decent_optim.optim.local_steps.LocalRounds.saved`: the anchors, outer momentum,
+    (:meth:`~decent_optim.optim.rounds.Rounds.saved`: the anchors, outer momentum,
     slow weights and their momentum): per entry its key, one flat per bucket (zeros where it
     is not taken yet, as on a newcomer) and whether it is taken."""
-    saved: dict[str, list[Tensor] | None] = getattr(owner._rounds, "saved", dict)()
+    saved = owner._rounds.saved() or {}
     buffers = owner._flat.buffers
     return [
         (key, [torch.zeros_like(b) for b in buffers] if flats is None else flats, flats is not None)
