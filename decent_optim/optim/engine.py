@@ -183,7 +183,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, 
             wait_limit = check_timeout(timeout)
             check_global_avg_every(global_avg_every)
             period = schedules.check(local_steps, outer, global_avg_every, uneven)
-            live.check(membership, on_membership_change, topology, process_group, period)
+            live.check(membership, on_membership_change, topology, process_group)
             live_owner.check(membership, type(self).__name__)  # one per process
             flags = dict(maximize=maximize, foreach=foreach, fused=fused)
             flags.update(capturable=False, differentiable=False)

@@ -140,7 +140,10 @@ class StepLocked:
     def reset(self, rounds: Rounds) -> None:
         pass
 
-    def enter(self, rounds: Rounds, resume: int) -> None:
+    def mark(self, rounds: Rounds) -> int:
+        return -1  # the count says everything
+
+    def enter(self, rounds: Rounds, resume: int, mark: int) -> None:
         """A newcomer's first round: the one the members launch now, if they do (live
         membership decides); mixed at once where the period end waits for it (DiLoCo), as the
         members did in the step that took the newcomer in."""

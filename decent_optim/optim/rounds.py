@@ -11,7 +11,7 @@ nothing. :class:`Rounds` holds the round in flight and the step counter, and ask
   ``local_steps`` steps, or another cadence), step-locked
   (:class:`~decent_optim.optim.local_steps.StepLocked`), or uneven periods that end once the
   neighbours' round has arrived (:class:`~decent_optim.optim.uneven.UnevenPeriods`, which also
-  owns **how long** to wait for it: :class:`~decent_optim.optim.uneven.Poll`);
+  owns **how long** to wait for it: :class:`~decent_optim.optim.poll.Poll`);
 * **what travels**: the parameters in place, or the anchors (:mod:`~decent_optim.optim.travel`);
 * **what happens at a period's end** (:mod:`~decent_optim.optim.outer`);
 * **who** the members are: fixed, or live membership (:class:`Members`), which reaches the
@@ -54,7 +54,8 @@ class When(Protocol):
     def synchronize(self, rounds: Rounds) -> None: ...
     def wait(self, rounds: Rounds, check_writes: bool) -> None: ...
     def reset(self, rounds: Rounds) -> None: ...
-    def enter(self, rounds: Rounds, resume: int) -> None: ...
+    def mark(self, rounds: Rounds) -> int: ...  # what a newcomer takes of the source's
+    def enter(self, rounds: Rounds, resume: int, mark: int) -> None: ...  # a newcomer's start
     def regrouped(self, rounds: Rounds, before: int) -> None: ...
     def state(self, rounds: Rounds) -> dict[str, object] | None: ...  # None: the count says it
     def load(self, rounds: Rounds, state: dict[str, object]) -> None: ...  # after a reset
@@ -313,13 +314,13 @@ class Rounds:
         self._pending, self._sent = None, False
         self.travel.clear()
 
-    def join(self, count: int, resume: int) -> None:
+    def join(self, count: int, resume: int, mark: int) -> None:
         """A newcomer's rounds once its state arrived (:mod:`~decent_optim.optim.joining`): at
-        the source's ``count`` steps, the members resuming gossip at round ``resume``; what it
-        sends is what it holds (the anchors not received: its parameters)."""
+        the source's ``count`` steps and cadence ``mark``, the members resuming gossip at round
+        ``resume``; what it sends is what it holds (the anchors not received: its parameters)."""
         self.travel.begin()
         self.count = count
-        self.when.enter(self, resume)
+        self.when.enter(self, resume, mark)
 
     def regrouped(self, before: int) -> None:
         """After live membership rebuilt the group of ``before`` ranks at a failed round."""

@@ -80,6 +80,9 @@ class UnevenPeriods:
         self.since = 0  # steps since the last launch (since the start before the first)
         self._sum: tuple[GossipHandle, torch.Tensor, int] | None = None  # (handle, sum, count)
         self._due = False  # this step mixed a round that calls for the slow step (optim.outer)
+        # a newcomer before its first mixed round: its source's summed steps at the last one,
+        # where the slow step's rule stands for the members
+        self._joined: float | None = None
         self._resend_count = 0  # this rank's count when it launched a round resent at a resume
 
     def progress(self, rounds: Rounds) -> float:
@@ -122,7 +125,7 @@ class UnevenPeriods:
     def take(self, rounds: Rounds) -> None:
         """Before a step's update: mix the round in flight if it has arrived (no waiting); note
         whether the round mixed (if any) calls for the slow step (:mod:`~decent_optim.optim.outer`)."""
-        mixed, total = self.mixed, self.clock.total
+        self._due = False
         resent = rounds._relaunch
         if resent:  # resumed with the round in flight: send it again at once
             rounds._relaunch = False
@@ -132,12 +135,7 @@ class UnevenPeriods:
         if rounds._sent and self.since >= self.clock.period - 1:
             if resent or self.poll.ready(self.since):
                 self._settle(rounds)
-        self._due = self._slow_due(rounds, mixed, total)
         return None
-
-    def _slow_due(self, rounds: Rounds, mixed: int, total: float | None) -> bool:
-        world = rounds.gossip.world_size
-        return self.mixed != mixed and rounds.end.crossed(total, self.clock.total, world)
 
     def slow_due(self, rounds: Rounds) -> bool:
         due, self._due = self._due, False
@@ -161,13 +159,12 @@ class UnevenPeriods:
     def synchronize(self, rounds: Rounds) -> None:
         """Mix the round in flight now (waiting for it), instead of when it arrives; the slow
         step at once if that round calls for it."""
-        mixed, total = self.mixed, self.clock.total
         if rounds._relaunch:
             rounds._relaunch = False
             self._send(rounds, self._resend_count)
         if rounds._sent:
             self._settle(rounds)
-        if self._slow_due(rounds, mixed, total):
+        if self.slow_due(rounds):
             rounds.end.slow_step(rounds._flat.buffers)
 
     def wait(self, rounds: Rounds, check_writes: bool) -> None:
@@ -179,7 +176,7 @@ class UnevenPeriods:
         self.poll.join()
         if self._sum is not None:
             self._sum[0].discard()
-        self._sum = None
+        self._sum, self._joined = None, None
         self.poll.forget()
         self.launched = self.mixed = self.since = 0
         self.clock.restart()
@@ -196,9 +193,17 @@ class UnevenPeriods:
         self.clock.carry(before, rounds.gossip.world_size)
         self.clock.restart_periods()
 
-    def enter(self, rounds: Rounds, resume: int) -> None:
+    def mark(self, rounds: Rounds) -> int:
+        """What a newcomer takes of this source's clock: the ranks' summed steps at the last
+        mixed round (whole steps: all the slow step's rule reads; -1: none yet)."""
+        total = self.clock.total if self.clock.total is not None else self._joined
+        return -1 if total is None else int(total)
+
+    def enter(self, rounds: Rounds, resume: int, mark: int) -> None:
         """A newcomer's rounds after its state arrived: at round ``resume``, the next launched
-        at the end of its first step."""
+        at the end of its first step; its first mixed round takes the slow step where the
+        members' does (``mark``: the source's :meth:`mark`)."""
+        self._joined = None if mark < 0 else float(mark)
         self.launched = self.mixed = resume
         self.since = self.local_steps
         self.clock.restart_periods()
@@ -261,7 +266,7 @@ class UnevenPeriods:
             return self._failed(rounds, error)
         rounds.mix_in(rounds.count)
         self.mixed += 1
-        world = rounds.gossip.world_size
+        world, before = rounds.gossip.world_size, self.clock.total
         if self._sum is not None:
             handle, values, count = self._sum
             handle.wait_and_mix_()
@@ -269,6 +274,10 @@ class UnevenPeriods:
             self._sum = None
         else:
             self.clock.check(world)
+        if before is None:
+            before, self._joined = self._joined, None
+        # the slow step when this round's sum crossed a multiple of every (optim.outer)
+        self._due = rounds.end.crossed(before, self.clock.total, world)
 
     def _failed(self, rounds: Rounds, error: BaseException) -> None:
         """A round ended in ``error``: live membership rebuilds (:meth:`regrouped` after),
