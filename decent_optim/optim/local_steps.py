@@ -116,7 +116,7 @@ class StepLocked:
 
     def send(self, rounds: Rounds) -> None:
         rounds.launch_round()
-        rounds.travel.record(rounds)
+        rounds.record_versions()
         if rounds.end.waits:
             # waited for now, not overlapped with the next period: starting a period from the
             # unmixed outer step, which DiLoCo's rates amplify about 7x, trained far worse
@@ -135,7 +135,7 @@ class StepLocked:
         rounds.mix_in(rounds.count if rounds.travel.anchored else None)
 
     def wait(self, rounds: Rounds, check_writes: bool) -> None:
-        rounds.travel.wait(rounds, check_writes)
+        rounds.transfers(check_writes)
 
     def reset(self, rounds: Rounds) -> None:
         pass
@@ -148,7 +148,7 @@ class StepLocked:
         membership decides); mixed at once where the period end waits for it (DiLoCo), as the
         members did in the step that took the newcomer in."""
         rounds.launch_round()
-        rounds.travel.record(rounds)
+        rounds.record_versions()
         if rounds.end.waits and self.periods.ends(rounds.count):
             rounds.mix_in(rounds.count)
 

@@ -1,23 +1,21 @@
 """The gossip timeline of one optimizer: one class for every schedule of rounds, made of parts.
 
-Round ``t`` carries the values every rank held when it launched it. A step mixes the round in
-flight when it is due, updates, and launches the next when one is due; every rank launches the
-same rounds in the same order, whatever happens locally, because its neighbours wait for them.
-Round 0 would mix the identical start values broadcast from rank 0, so the first step waits for
-nothing. :class:`Rounds` holds the round in flight and the step counter, and asks its parts:
+A step mixes the round in flight when it is due, updates, and launches the next when one is
+due; every rank launches the same rounds in the same order, whatever happens locally, because
+its neighbours wait for them. :class:`Rounds` holds the round in flight and the step counter,
+and asks its parts, each of which owns its state:
 
-* **when** a round is mixed and launched, and what ``round``, ``progress`` and the budget are: a
-  :class:`~decent_optim.optim.local_steps.Periods` cadence (every step is ``Periods(1)``, every
-  ``local_steps`` steps, or another cadence), step-locked
-  (:class:`~decent_optim.optim.local_steps.StepLocked`), or uneven periods that end once the
-  neighbours' round has arrived (:class:`~decent_optim.optim.uneven.UnevenPeriods`, which also
-  owns **how long** to wait for it: :class:`~decent_optim.optim.poll.Poll`);
+* **when** a round is mixed and launched, and what ``round``, ``progress`` and the budget are
+  (:class:`When`): step-locked on a :class:`~decent_optim.optim.local_steps.Periods` cadence
+  (every step is ``Periods(1)``), or uneven periods that end once the neighbours' round has
+  arrived (:mod:`~decent_optim.optim.uneven`, which owns **how long** to wait for it:
+  :mod:`~decent_optim.optim.poll`);
 * **what travels**: the parameters in place, or the anchors (:mod:`~decent_optim.optim.travel`);
 * **what happens at a period's end** (:mod:`~decent_optim.optim.outer`);
 * **who** the members are: fixed, or live membership (:class:`Members`), which reaches the
   rounds only through the methods named there.
 
-:func:`~decent_optim.optim.schedules.make_rounds` chooses the parts from the keywords.
+:func:`~decent_optim.optim.schedules.make_rounds` chooses the parts, one line each.
 """
 
 from __future__ import annotations
@@ -29,8 +27,9 @@ from torch import Tensor
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper, PendingMix
 from decent_optim.optim.outer import PeriodEnd
+from decent_optim.optim.travel import Anchors, InPlace
 
-__all__ = ["Members", "Rounds", "Travel", "When"]
+__all__ = ["Members", "Rounds", "When"]
 
 
 class When(Protocol):
@@ -61,25 +60,6 @@ class When(Protocol):
     def load(self, rounds: Rounds, state: dict[str, object]) -> None: ...  # after a reset
 
 
-class Travel(Protocol):
-    """What a round carries (:mod:`~decent_optim.optim.travel`)."""
-
-    anchored: bool  # whether checkpoints keep it (the anchors)
-
-    def buffers(self) -> list[Tensor]: ...
-    def begin(self) -> None: ...  # at each step before the mix
-    def seal(self, end: PeriodEnd) -> None: ...  # at a period's end, before its launch
-    def mix(self, handle: GossipHandle, deferred: bool) -> list[PendingMix] | None: ...
-    def record(self, rounds: Rounds) -> None: ...  # after a launch
-    def check(self, count: int) -> None: ...  # before a round is taken
-    def clear(self) -> None: ...  # the round is taken or dropped
-    def wait(self, rounds: Rounds, check_writes: bool) -> None: ...
-    def readopt(self, rounds: Rounds, owner: str) -> None: ...
-    def saved(self) -> dict[str, list[Tensor] | None]: ...
-    def load(self, key: str, flats: list[Tensor]) -> None: ...
-    def reset(self) -> None: ...
-
-
 class Members(Protocol):
     """Who the members are, as the rounds ask it: live membership
     (:class:`~decent_optim.optim.live.Live`, one path for every schedule), which may skip a
@@ -92,26 +72,19 @@ class Members(Protocol):
     membership: Any  # the gossip.membership.Membership
 
     @property
-    def view(self) -> Any:
-        """The current group (a :class:`~decent_optim.gossip.membership.View`)."""
-
-    def send(self, rounds: Rounds) -> None:
-        """Launch round ``rounds.count`` (:meth:`Rounds.start_round`), or not, or rebuild first."""
-
-    def arrived(self, rounds: Rounds, handle: GossipHandle, after: int) -> bool:
-        """Wait for ``handle``'s round; False where it failed and the group was rebuilt."""
-
-    def recover(self, rounds: Rounds, suspects: tuple[int, ...], after: int) -> None:
-        """Drop the round in flight and rebuild the group (``after``: the count at the end)."""
-
-    def hand_over(self, rounds: Rounds) -> tuple[int, ...] | None:
-        """Send newcomers their state; None, or the ranks to declare lost."""
-
-    def failed(self, rounds: Rounds, error: BaseException) -> None:
-        """Uneven periods: rebuild after ``error`` ended a round (re-raise any other error)."""
-
-    def asked(self) -> None:
-        """Uneven periods, before a launch: raise if a change of the group was asked for."""
+    def view(self) -> Any: ...  # the current group (a gossip.membership.View)
+    # launch round ``rounds.count`` (Rounds.start_round), or not, or rebuild first
+    def send(self, rounds: Rounds) -> None: ...
+    # wait for ``handle``'s round; False where it failed and the group was rebuilt
+    def arrived(self, rounds: Rounds, handle: GossipHandle, after: int) -> bool: ...
+    # drop the round in flight and rebuild the group (``after``: the count at the step's end)
+    def recover(self, rounds: Rounds, suspects: tuple[int, ...], after: int) -> None: ...
+    # send newcomers their state; None, or the ranks to declare lost
+    def hand_over(self, rounds: Rounds) -> tuple[int, ...] | None: ...
+    # uneven periods: rebuild after ``error`` ended a round (re-raise any other error)
+    def failed(self, rounds: Rounds, error: BaseException) -> None: ...
+    # uneven periods, before a launch: raise if a change of the group was asked for
+    def asked(self) -> None: ...
 
 
 class Rounds:
@@ -132,7 +105,7 @@ class Rounds:
         flat: FlatParams,
         global_avg_every: int | None,
         when: When,
-        travel: Travel,
+        travel: InPlace | Anchors,
         end: PeriodEnd,
     ) -> None:
         self.when, self.travel, self.end = when, travel, end
@@ -148,33 +121,29 @@ class Rounds:
 
     @property
     def gossip(self) -> Gossiper | LocalGossiper:
-        """The current exchange (live membership replaces it at a change)."""
+        """The current exchange (live membership replaces it at a change, with the hint)."""
         return self._gossip
 
     @gossip.setter
     def gossip(self, gossip: Gossiper | LocalGossiper) -> None:
         self._gossip = gossip
-        if self.when.hint is not None:  # what a failed round says usually causes it
+        if self.when.hint is not None:
             gossip.hint = self.when.hint
 
-    # -- what the optimizer reads (its progress, round, budget; checkpoints) ------------------
+    # -- what the optimizer reads: DDP-equivalent steps, rounds alike on every rank, the budget
     @property
     def progress(self) -> float:
-        """DDP-equivalent steps taken."""
         return self.when.progress(self)
 
     @property
     def round(self) -> int:
-        """Rounds completed, counted alike on every rank."""
         return self.when.round(self)
 
     @property
     def stopped(self) -> bool:
-        """Whether the budget of :meth:`stop_at` is reached."""
         return self.when.stopped(self)
 
     def stop_at(self, steps: float) -> None:
-        """Set the budget, in DDP-equivalent steps."""
         self.when.stop_at(self, steps)
 
     @property
@@ -227,14 +196,42 @@ class Rounds:
         """Complete the transfers of the round in flight without mixing it (it stays pending)."""
         self.when.wait(self, check_writes)
 
+    def transfers(self, check_writes: bool) -> None:
+        """Complete the transfers of the round in flight; ``check_writes=False`` when the
+        parameters were given new memory: their versions changed, the memory sent was not."""
+        if self._pending is not None:
+            if check_writes:
+                self.travel.check(self.count)
+            self._pending.wait()
+            self.travel.clear()
+
     def readopt(self, owner: str) -> None:
-        """Take back parameters moved with ``.to()`` or given new ``.data``
-        (:mod:`~decent_optim.optim.travel`)."""
-        self.travel.readopt(self, owner)
+        """Take back parameters moved with ``.to()`` or given new ``.data`` (``owner`` names the
+        optimizer in errors); where they travel, after the round's transfers, which read the
+        old, unwritten memory.
+
+        New values (``p.data = t``) while such a round is in flight settle it first, as
+        ``synchronize()`` before the write would have: its mix goes into the old memory, then
+        the new values replace it, so the next step updates exactly them, as torch.optim would.
+        (Mixing them with the neighbours' values of the round before would halve the change.)
+        The anchors travel from memory of their own: no round to settle.
+        """
+        if self._flat.moved() and self.travel.anchored:
+            self._flat.readopt(owner)
+        elif self._flat.moved():
+            changed = self._flat.changed(owner)
+            self.wait(check_writes=False)
+            if self._sent and any(changed):
+                handle, self._pending, self._sent = self._pending, None, False
+                if handle is not None:
+                    handle.mix_()
+            self._flat.readopt(owner, changed)
+            self.record_versions()  # the versions of the memory taken back
+        self.travel.fits(owner)
 
     def record_versions(self) -> None:
-        """After a block that restored the parameters: nothing raced (:mod:`~.travel`)."""
-        self.travel.record(self)
+        """After a launch, or a block that restored the parameters: nothing raced."""
+        self.travel.record(self._pending)
 
     def check_round(self, what: str) -> None:
         """Raise on every rank if they call the collective ``what`` at different rounds."""

@@ -1,18 +1,10 @@
 """Which schedule of rounds an optimizer runs, from its keywords: the parts of its rounds.
 
 One :class:`~decent_optim.optim.rounds.Rounds` runs every schedule; :func:`make_rounds` chooses
-its parts, one line each:
-
-* when rounds are launched and mixed: on a :class:`~decent_optim.optim.local_steps.Periods`
-  cadence, step-locked (every step, every ``local_steps`` steps, or a cadence passed as
-  ``local_steps=``), or in periods of at least ``local_steps`` steps that last until the
-  neighbours' round is in (``uneven=True``: :mod:`~decent_optim.optim.uneven`);
-* what travels: the parameters in place (every step, no ``outer``), else the anchors;
-* what happens at a period's end (:mod:`~decent_optim.optim.outer`), from ``outer=``: nothing,
-  DiLoCo's outer step on the anchors (``"diloco"`` or an ``OuterSGD``), or the outer step on each
-  rank's slow weights (a ``LocalOuterSGD``).
-
-The keywords are checked here, before anything is built, with an error that says what to pass.
+its parts (listed there), one line each: when (step-locked on a cadence of ``local_steps=``, or
+uneven periods), what travels (the parameters in place for every-step gossip without ``outer``,
+else the anchors), and the period end of ``outer=``. The keywords are checked here, before
+anything is built, with an error that says what to pass.
 """
 
 from __future__ import annotations

@@ -7,23 +7,18 @@ some new values, and differently in every run. So the parameters' version counte
 bumps on every in-place write through the tensor or a view of it, ``p.detach()`` included) are
 read when a round is launched and compared when it is taken; a difference raises, and
 ``synchronize()`` first is the way to write between steps. Writes through ``p.data`` bypass those
-counters, but ``p.data = t`` gives the parameter new memory, which :meth:`InPlace.readopt`
-notices: it settles the round (whose memory was not written) and then takes ``t``.
+counters, but ``p.data = t`` gives the parameter new memory, which
+:meth:`Rounds.readopt <decent_optim.optim.rounds.Rounds.readopt>` notices: it settles the round
+(whose memory was not written) and then takes ``t``.
 
 Local steps send the *anchors* :math:`a_i` (what the rank last sent; with DiLoCo its outer
-parameters), and the mix adds its change to the working parameters (:class:`Anchors`; the math
-is in :mod:`~decent_optim.optim.local_steps`):
-
-.. math::
-    x_i \leftarrow x_i + \Big(\sum_j w_{ij} a_j - a_i\Big), \qquad a_i \leftarrow \sum_j w_{ij} a_j.
-
-The parameters never travel, so they may be written at any time; the anchor is written by no one
-while its round travels.
+parameters), and the mix adds its change to the working parameters, :math:`x_i \leftarrow x_i
++ \sum_j w_{ij} a_j - a_i` (:class:`Anchors`; the math is in
+:mod:`~decent_optim.optim.local_steps`). The parameters never travel, so they may be written at
+any time; the anchor is written by no one while its round travels.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -32,17 +27,13 @@ from decent_optim.flat import FlatParams
 from decent_optim.gossip import GossipHandle, PendingMix
 from decent_optim.optim.outer import PeriodEnd
 
-if TYPE_CHECKING:
-    from decent_optim.optim.rounds import Rounds
-
 __all__ = ["Anchors", "InPlace"]
 
 
 class InPlace:
     """The parameters travel in place; their versions guard against writes while they do."""
 
-    #: whether a checkpoint keeps anything of it (no: the parameters are saved anyway)
-    anchored = False
+    anchored = False  # (checkpoints keep nothing of it: the parameters are saved anyway)
 
     def __init__(self, flat: FlatParams) -> None:
         self._flat = flat
@@ -54,10 +45,10 @@ class InPlace:
         return self._flat.buffers
 
     def begin(self) -> None:
-        """At each step before the mix: nothing to take."""
+        """At each step before the mix (:class:`Anchors`: take them at the first)."""
 
     def seal(self, end: PeriodEnd) -> None:
-        """At a period's end, before its round is launched: the parameters are what it sends."""
+        """At a period's end, before its round is launched (:class:`Anchors`: the end's step)."""
 
     def mix(self, handle: GossipHandle, deferred: bool) -> list[PendingMix] | None:
         """Mix ``handle``'s round in; ``deferred``: leave per bucket what the update fuses."""
@@ -66,10 +57,10 @@ class InPlace:
         handle.wait_and_mix_()
         return None
 
-    def record(self, rounds: Rounds) -> None:
+    def record(self, pending: GossipHandle | None) -> None:
         """Remember the parameters' versions: they must not change while a round is in flight."""
-        pending = rounds._pending is not None and not torch.compiler.is_compiling()
-        self._versions = [p._version for p in self._params] if pending else None
+        sending = pending is not None and not torch.compiler.is_compiling()
+        self._versions = [p._version for p in self._params] if sending else None
 
     def clear(self) -> None:
         """The round is taken or dropped: writes are safe until the next launch."""
@@ -92,34 +83,8 @@ class InPlace:
                 "finishes the round, and the next step() sends the written values"
             )
 
-    def wait(self, rounds: Rounds, check_writes: bool) -> None:
-        """Complete the transfers of the round in flight; ``check_writes=False`` when the
-        parameters were given new memory: their versions changed, the memory sent was not
-        written."""
-        if rounds._pending is not None:
-            if check_writes:
-                self.check(rounds.count)
-            rounds._pending.wait()
-            self._versions = None
-
-    def readopt(self, rounds: Rounds, owner: str) -> None:
-        """Take back parameters moved with ``.to()`` or given new ``.data`` (``owner`` names the
-        optimizer in errors): after the round's transfers, which read the old, unwritten memory.
-
-        New values (``p.data = t``) while a round is in flight settle the round first, as
-        ``synchronize()`` before the write would have: its mix goes into the old memory, then
-        the new values replace it, so the next step updates exactly them, as torch.optim would.
-        (Mixing them with the neighbours' values of the round before would halve the change.)
-        """
-        if self._flat.moved():
-            changed = self._flat.changed(owner)
-            self.wait(rounds, check_writes=False)
-            if rounds._sent and any(changed):
-                handle, rounds._pending, rounds._sent = rounds._pending, None, False
-                if handle is not None:
-                    handle.mix_()
-            self._flat.readopt(owner, changed)
-            self.record(rounds)  # the versions of the memory taken back
+    def fits(self, owner: str) -> None:
+        """Parameters moved (``.to()``) travel from where they are now."""
 
     def saved(self) -> dict[str, list[Tensor] | None]:
         return {}
@@ -164,7 +129,7 @@ class Anchors:
             for x, a in zip(self._flat.buffers, self.anchor):
                 x.add_(a)
 
-    def record(self, rounds: Rounds) -> None:
+    def record(self, pending: GossipHandle | None) -> None:
         """Nothing to guard: the parameters never travel, the anchors are written by no one."""
 
     def clear(self) -> None:
@@ -173,17 +138,8 @@ class Anchors:
     def check(self, count: int) -> None:
         pass
 
-    def wait(self, rounds: Rounds, check_writes: bool) -> None:
-        if rounds._pending is not None:
-            rounds._pending.wait()
-
-    def readopt(self, rounds: Rounds, owner: str) -> None:
-        """Take back moved parameters; the anchors stay where they are, so no new device.
-
-        No round to settle first: the anchors travel, never the parameters.
-        """
-        if self._flat.moved():
-            self._flat.readopt(owner)
+    def fits(self, owner: str) -> None:
+        """The anchors stay where they are: parameters moved after the first step cannot follow."""
         if self.anchor is not None:
             for a, x in zip(self.anchor, self._flat.buffers):
                 if (a.device, a.dtype) != (x.device, x.dtype):

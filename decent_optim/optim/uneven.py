@@ -34,10 +34,10 @@ than its slowest neighbour would otherwise drift through as many steps of its ow
 fewer steps than the mean in the last period takes fewer before its next launch
 (:mod:`~decent_optim.optim.uneven_periods`).
 
-**Asking without waiting** (:mod:`~decent_optim.optim.poll`, how long a rank waits). Each round's transfers are
-waited for in a thread of their own (gloo's point-to-point works say they are complete only once
-waited for), bounded by the optimizer's ``timeout``: a neighbour that died or stopped calling
-``step()`` raises :class:`~decent_optim.gossip.GossipError` at the next step.
+**Asking without waiting** (how long a rank waits: :mod:`~decent_optim.optim.poll`). Each
+round's transfers are waited for in a thread of their own, bounded by the optimizer's
+``timeout``: a neighbour that died or stopped calling ``step()`` raises
+:class:`~decent_optim.gossip.GossipError` at the next step.
 The step counts are summed point to point (:mod:`~decent_optim.gossip.sums`), never by a
 collective that a rank at another round could match; the package's own collectives compare
 :attr:`UnevenPeriods.round` first (:meth:`~UnevenPeriods.check_round`).
