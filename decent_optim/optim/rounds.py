@@ -207,15 +207,11 @@ class Rounds:
 
     def readopt(self, owner: str) -> None:
         """Take back parameters moved with ``.to()`` or given new ``.data`` (``owner`` names the
-        optimizer in errors); where they travel, after the round's transfers, which read the
-        old, unwritten memory.
-
-        New values (``p.data = t``) while such a round is in flight settle it first, as
-        ``synchronize()`` before the write would have: its mix goes into the old memory, then
-        the new values replace it, so the next step updates exactly them, as torch.optim would.
-        (Mixing them with the neighbours' values of the round before would halve the change.)
-        The anchors travel from memory of their own: no round to settle.
-        """
+        optimizer in errors). Where they travel (:mod:`~decent_optim.optim.travel`), new values
+        while a round is in flight settle it first, as ``synchronize()`` before the write would
+        have: its mix goes into the old memory, then the new values replace it, so the next step
+        updates exactly them, as torch.optim would (mixing them with the neighbours' values of
+        the round before would halve the change)."""
         if self._flat.moved() and self.travel.anchored:
             self._flat.readopt(owner)
         elif self._flat.moved():
@@ -267,8 +263,8 @@ class Rounds:
         """Launch the round due (through live membership, which may skip it or rebuild)."""
         if self.live is not None:
             self.live.send(self)
-            return
-        self.start_round()
+        else:
+            self.start_round()
 
     def start_round(self) -> None:
         """Launch the round due on the current gossip (live membership's :meth:`send`)."""
@@ -289,22 +285,16 @@ class Rounds:
         round and drops it; None raises the failure instead."""
         self.travel.check(self.count)
         self.travel.clear()
-        handle = self.taken()
+        if self._relaunch:  # a loaded checkpoint had it in flight: launched again first
+            self._relaunch = False  # (every rank resumes together, so the sends match)
+            self._pending = self.start()
+        handle, self._pending, self._sent = self._pending, None, False
         if handle is None:
             return None
         if after is not None and self.live is not None:
             if not self.live.arrived(self, handle, after):
                 return None
         return self.travel.mix(handle, deferred)
-
-    def taken(self) -> GossipHandle | None:
-        """The round in flight, no longer pending; first launched again where a loaded
-        checkpoint had it in flight (every rank resumes together, so the sends match)."""
-        if self._relaunch:
-            self._relaunch = False
-            self._pending = self.start()
-        handle, self._pending, self._sent = self._pending, None, False
-        return handle
 
     def drop(self) -> None:
         """Forget the round in flight without waiting for it (it failed, or was never sent)."""

@@ -126,10 +126,7 @@ class UnevenPeriods:
         """Before a step's update: mix the round in flight if it has arrived (no waiting); note
         whether the round mixed (if any) calls for the slow step (:mod:`~decent_optim.optim.outer`)."""
         self._due = False
-        resent = rounds._relaunch
-        if resent:  # resumed with the round in flight: send it again at once
-            rounds._relaunch = False
-            self._send(rounds, self._resend_count)
+        resent = self._resend(rounds)
         # a round resent at a resume is waited for where it was due: every rank resent it
         # together, and the resumed run then mixes where the saved one would have
         if rounds._sent and self.since >= self.clock.period - 1:
@@ -159,9 +156,7 @@ class UnevenPeriods:
     def synchronize(self, rounds: Rounds) -> None:
         """Mix the round in flight now (waiting for it), instead of when it arrives; the slow
         step at once if that round calls for it."""
-        if rounds._relaunch:
-            rounds._relaunch = False
-            self._send(rounds, self._resend_count)
+        self._resend(rounds)
         if rounds._sent:
             self._settle(rounds)
         if self.slow_due(rounds):
@@ -243,6 +238,13 @@ class UnevenPeriods:
         self.clock.check(world)
 
     # -- internals -------------------------------------------------------------------------------
+    def _resend(self, rounds: Rounds) -> bool:
+        """Resumed with the round in flight: send it again at once (every rank resumes alike)."""
+        resent, rounds._relaunch = rounds._relaunch, False
+        if resent:
+            self._send(rounds, self._resend_count)
+        return resent
+
     def _send(self, rounds: Rounds, count: int) -> None:
         """Launch round :attr:`launched` with the anchors, and the sum of the step counts
         (``count``: this rank's steps when it launched the round)."""
