@@ -54,9 +54,7 @@ def build(model, local_steps=3, *, topology="ring", uneven=True, budget=10**6, *
 
 def wait_for_round(opt) -> None:
     """Until the transfers of the round in flight (and its deferred steps) are done."""
-    waiter = getattr(opt._rounds, "_waiter", None)
-    if waiter is not None:
-        waiter.thread.join()
+    opt._rounds.wait()
 
 
 def train_step(model, opt, rank: int, t: int, in_time: bool = False) -> None:
@@ -235,14 +233,15 @@ def train_planned(rank, model, opt, t, folder, phase, periods, until, after=None
     plan = {mixing_step(mine, j): j for j in range(0, until + 1)}
     first, mixed_at, progress = True, [], []
     while opt.round < until:
-        rounds = opt._rounds
+        entry = opt.state_dict()["decent_optim"] if first else None
         # the round this step launches: the one in flight after a resume, or the next one
-        launches = rounds.launched if first and rounds.in_flight else plan.get(t, -2) + 1
+        resent = entry is not None and entry["pending"]
+        launches = entry["local_steps"]["uneven"]["launched"] if resent else plan.get(t, -2) + 1
         if rank == SLOW and 1 <= launches <= until:
             for s in fast:
                 _wait_for(folder, phase, s, mixing_step(periods[s], launches))
-        if plan.get(t, 0) >= 1 and rounds._waiter is not None:
-            rounds._waiter.thread.join()  # the round must be mixed at this step
+        if plan.get(t, 0) >= 1:
+            opt._rounds.wait()  # the round must be mixed at this step
         before = opt.round
         train_step(model, opt, rank, t)
         first, t = False, t + 1

@@ -280,8 +280,10 @@ def _accelerate_run(out, resume, safe):
     # end_training destroys the process group: no round may be in flight then (the world group
     # of the test's worker pool is kept, so the destruction is recorded instead)
     destroyed = result["in_flight_at_destroy"] = []
-    rounds = common.unwrap(opt)._rounds
-    accelerator.state.destroy_process_group = lambda group=None: destroyed.append(rounds.in_flight)
+    inner = common.unwrap(opt)  # whether a round is in flight, as a checkpoint records it
+    accelerator.state.destroy_process_group = lambda group=None: destroyed.append(
+        inner.state_dict()["decent_optim"]["pending"]
+    )
     accelerator.end_training()
     return result
 

@@ -225,7 +225,7 @@ def test_a_join_a_refused_newcomer_and_a_kill(tmp_path):
 def _refusals(rank, world_size, path):
     import torch.distributed as dist
 
-    from decent_optim import DecentralizedAdamW, LocalOuterSGD
+    from decent_optim import DecentralizedAdamW
     from decent_optim.gossip.membership import Membership
 
     said = {}
@@ -235,11 +235,9 @@ def _refusals(rank, world_size, path):
         said["initialized"] = str(err)
     live = Membership(_store(path), prefix="live", timeout=TIMEOUT)
     live.joining = True  # as a newcomer's, for the settings' checks before anything is sent
-    for name, kwargs in {
-        # outer= with membership= is supported step-locked (issue 62), not with uneven=True
-        "outer": dict(local_steps=2, outer=LocalOuterSGD(), uneven=True),
-        "process_group": dict(process_group=dist.group.WORLD),
-    }.items():
+    # (outer= with membership= is supported with every cadence since issue 62, uneven=True too:
+    # test_live_uneven_outer.py)
+    for name, kwargs in {"process_group": dict(process_group=dist.group.WORLD)}.items():
         try:
             DecentralizedAdamW(_live.model().parameters(), membership=live, **kwargs)
         except ValueError as err:
@@ -255,8 +253,7 @@ def test_joining_refusals(tmp_path):
 
     said = run_world(_refusals, 1, str(tmp_path))[0]
     assert "join=True) is for a process outside the running group" in said["initialized"]
-    for name in ("outer", "process_group"):
-        assert "membership= supports local_steps=1" in said[name], said[name]
+    assert "membership= supports local_steps=1" in said["process_group"], said
     assert not dist.is_initialized()  # this process is in no group: it may join, not be a member
     with pytest.raises(RuntimeError, match="pass join=True in a process that joins"):
         Membership(dist.FileStore(os.path.join(str(tmp_path), "alone"), -1), timeout=TIMEOUT)

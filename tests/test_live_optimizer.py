@@ -140,14 +140,14 @@ def test_membership_without_a_fault_changes_nothing(tmp_path):
 def _refusals(rank, world_size, path):
     import torch.distributed as dist
 
-    from decent_optim import DecentralizedAdamW, LocalOuterSGD, topologies
+    from decent_optim import DecentralizedAdamW, topologies
     from decent_optim.gossip.membership import Membership
 
     live = Membership(dist.FileStore(os.path.join(path, "store"), -1), timeout=TIMEOUT)
     model = _live.model()
+    # (outer= with membership= is supported with every cadence since issue 62, uneven=True too:
+    # test_live_uneven_outer.py)
     cases = {
-        # outer= with membership= is supported step-locked (issue 62), not with uneven=True
-        "outer": dict(local_steps=2, outer=LocalOuterSGD(), uneven=True),
         "process_group": dict(process_group=dist.group.WORLD),
         "topology": dict(topology=topologies.get("ring", world_size)),
     }
@@ -171,14 +171,8 @@ def _refusals(rank, world_size, path):
 @pytest.mark.multiprocess
 def test_unsupported_settings_are_refused_at_construction(tmp_path):
     for said in run_world(_refusals, 4, str(tmp_path)):
-        assert set(said) == {
-            "outer",
-            "process_group",
-            "topology",
-            "object",
-            "callback",
-        }, said
-        for name in ("outer", "process_group", "topology"):
+        assert set(said) == {"process_group", "topology", "object", "callback"}, said
+        for name in ("process_group", "topology"):
             assert "membership= supports local_steps=1" in said[name], said[name]
             assert name in said[name], said[name]
         assert "Membership(store" in said["object"] and "needs membership=" in said["callback"]

@@ -29,7 +29,7 @@ otherwise refuse. The first rounds after the load send exact
 values, so ``compression=``'s public copies are rebuilt from the loaded parameters: the saved
 copies belong to the old world's groups and are neither merged nor kept. With ``uneven=True``
 the saved schedule keeps the old world size, so that the DDP-equivalent progress carries over
-(:meth:`~decent_optim.optim.uneven.UnevenRounds.load_schedule_state`).
+(:meth:`~decent_optim.optim.uneven.UnevenPeriods.load`).
 """
 
 from __future__ import annotations

@@ -15,18 +15,18 @@ module                                         what it does
 :mod:`~decent_optim.optim.state`               ``opt.state`` in flat buffers; the batches
 :mod:`~decent_optim.optim.watched`             dicts that report writes
 :mod:`~decent_optim.optim.failure`             a gossip failure latched: later calls raise it
-:mod:`~decent_optim.optim.facts`               rank, world size, membership, bytes sent
-:mod:`~decent_optim.optim.budget`              progress, ``stop_at``, ``stopped``, ``round``
+:mod:`~decent_optim.optim.facts`               rank, world size, membership, bytes sent;
+                                               progress, ``stop_at``, ``stopped``, ``round``
 :mod:`~decent_optim.optim.consensus`           the averaged model for evaluation and export
 *the schedule of rounds*
 :mod:`~decent_optim.optim.schedules`           the keywords checked; the parts chosen
-:mod:`~decent_optim.optim.rounds`              every step: the round in flight, the counter
-:mod:`~decent_optim.optim.local_steps`         every ``local_steps`` steps, with anchors
-:mod:`~decent_optim.optim.doubling`            periods that double after a warm-up
-:mod:`~decent_optim.optim.uneven`              uneven periods: mixed once arrived
-:mod:`~decent_optim.optim.uneven_periods`      their clock: progress, budget, periods
-:mod:`~decent_optim.optim.uneven_loop`         the loop uneven ranks write; round checks
-:mod:`~decent_optim.optim.waiter`              a round's transfers waited for in a thread
+:mod:`~decent_optim.optim.rounds`              the one timeline: the round in flight, the counter
+:mod:`~decent_optim.optim.local_steps`         when, step-locked: every step, every ``H`` steps
+:mod:`~decent_optim.optim.doubling`            a cadence: periods that double after a warm-up
+:mod:`~decent_optim.optim.uneven`              when, uneven periods: mixed once arrived
+:mod:`~decent_optim.optim.uneven_periods`      their clock: progress, budget, periods; the loop
+:mod:`~decent_optim.optim.poll`                how long: a round waited for in a thread, a cap
+:mod:`~decent_optim.optim.travel`              what travels: the parameters, or the anchors
 :mod:`~decent_optim.optim.outer`               the period end: nothing, DiLoCo, slow weights
 *live membership*
 :mod:`~decent_optim.optim.live`                a lost worker, a newcomer: every schedule

@@ -3,8 +3,9 @@
 ``local_steps=DoublingPeriods(local_steps=H, after=W)``: periods of ``H`` steps until ``W``
 steps were taken (``W`` a multiple of ``H``), then of ``2H``. Early in training the models
 drift apart fastest, so they are mixed more often there; later a round every ``2H`` steps
-halves the bytes. Everything else is :class:`~decent_optim.optim.local_steps.LocalRounds`'s
-(the anchors travel during the next period; any ``outer=``); a slow step
+halves the bytes. Everything else is step-locked local steps'
+(:class:`~decent_optim.optim.local_steps.StepLocked`: the anchors travel during the next
+period; any ``outer=``); a slow step
 (``LocalOuterSGD(every=K)``) must fall at a period's end on both sides of ``W``.
 """
 

@@ -22,9 +22,8 @@ from decent_optim._validation import (
     check_unsupported,
 )
 from decent_optim.optim import frameworks, joining, live, live_owner, schedules, stepping
-from decent_optim.optim.budget import Budgeted
 from decent_optim.optim.consensus import ConsensusViews
-from decent_optim.optim.facts import WorkerFacts
+from decent_optim.optim.facts import Budgeted, WorkerFacts
 from decent_optim.optim.failure import FailureLatch, guarded
 from decent_optim.optim.inputs import AveragedCheck
 from decent_optim.optim.local_steps import Periods
@@ -184,7 +183,7 @@ class DecentralizedOptimizer(Budgeted, ConsensusViews, StateDicts, WorkerFacts, 
             wait_limit = check_timeout(timeout)
             check_global_avg_every(global_avg_every)
             period = schedules.check(local_steps, outer, global_avg_every, uneven)
-            live.check(membership, on_membership_change, topology, process_group, period)
+            live.check(membership, on_membership_change, topology, process_group)
             live_owner.check(membership, type(self).__name__)  # one per process
             flags = dict(maximize=maximize, foreach=foreach, fused=fused)
             flags.update(capturable=False, differentiable=False)

@@ -16,7 +16,8 @@ the group). The constructor blocks until the members have let it in:
    :func:`fit`, part by part, so that a refusal names what differs) and sends it, point to point over the new group, its parameters (the
    flat buffers and the frozen ones), its optimizer state (every state buffer and the step
    counters), what its rounds keep as a checkpoint does (the anchors, outer momentum, slow
-   weights and their momentum) and its step count :math:`c_0`; a newcomer that differs gets a ``ValueError`` and
+   weights and their momentum), its step count :math:`c_0` (with ``uneven=True`` also the
+   summed steps where its slow steps stand); a newcomer that differs gets a ``ValueError`` and
    is dropped by the members as a lost one;
 4. the newcomer builds the topology of the same name at the new size, counts from
    :math:`c_0` (its steps up to :math:`R` are its own, without gossip, as a survivor catching
@@ -170,10 +171,10 @@ def _payload(owner: Any) -> list[Tensor]:
 
 def _saved(owner: Any) -> list[tuple[str, list[Tensor], bool]]:
     """What the rounds keep besides the parameters, as a checkpoint has it
-    (:meth:`~decent_optim.optim.local_steps.LocalRounds.saved`: the anchors, outer momentum,
+    (:meth:`~decent_optim.optim.rounds.Rounds.saved`: the anchors, outer momentum,
     slow weights and their momentum): per entry its key, one flat per bucket (zeros where it
     is not taken yet, as on a newcomer) and whether it is taken."""
-    saved: dict[str, list[Tensor] | None] = getattr(owner._rounds, "saved", dict)()
+    saved = owner._rounds.saved() or {}
     buffers = owner._flat.buffers
     return [
         (key, [torch.zeros_like(b) for b in buffers] if flats is None else flats, flats is not None)
@@ -194,7 +195,8 @@ def hand_over(live: Live, rounds: Rounds, joiners: tuple[int, ...]) -> tuple[int
     if owner._flat_state.stale:  # values written through opt.state: into the buffers first
         owner._flat_state.rebind(owner.state, owner.param_groups)
     taken = sum(1 << i for i, (_, _, there) in enumerate(_saved(owner)) if there)
-    mine, head, lost = _hashes(fit(owner)), [rounds.count, live.slot, live.width, taken], []
+    head = [rounds.count, live.slot, live.width, taken, rounds.when.mark(rounds)]
+    mine, lost = _hashes(fit(owner)), []
     for rank in joiners:
         try:
             same = give(live.membership, rank, mine, head, lambda: _payload(owner), _seconds(live))
@@ -214,7 +216,7 @@ def receive(owner: Any, resume: int) -> None:
     me, live.resume = live.membership.me, resume
     payload, parts = _payload(owner), fit(owner)
     try:
-        differ, head = take(_hashes(parts), 4, payload, _seconds(live))
+        differ, head = take(_hashes(parts), 5, payload, _seconds(live))
     except (GossipError, RuntimeError) as err:
         raise MembershipError(f"[id {me}] the state transfer failed: {err}; join again") from err
     if differ:
@@ -224,7 +226,7 @@ def receive(owner: Any, resume: int) -> None:
             f"{'; '.join(named)} (this newcomer's settings shown): build the same model and "
             "optimizer as they did, then join again"
         )
-    count, slot, width, taken = head
+    count, slot, width, taken, mark = head
     owner._flat.publish()
     # the rounds' state, as a resume gets it (the received flats are the payload's own tensors)
     flats = payload[len(payload) - 1 - sum(len(f) for _, f, _ in _saved(owner)) : -1]
@@ -246,4 +248,4 @@ def receive(owner: Any, resume: int) -> None:
     owner._averaged.done = True  # the members asked at their first steps, long ago
     # step-locked: round `count`, if the others launch it now (count >= resume); uneven: it
     # stands at round `resume` and launches round `resume` + 1 after its first step
-    rounds.join(count, resume)
+    rounds.join(count, resume, mark)

@@ -52,11 +52,11 @@ every member (a newcomer too) builds its new gossiper with the same codec and no
 the first round of each new group sends exact values on all of them alike, as after a resume at
 another world size, and the copies are rebuilt from there.
 
-Supported: the step-locked schedules -- ``local_steps=1``, and ``local_steps=H`` with or
-without ``outer`` (the outer step on the anchors, or on each rank's slow weights: each
-survivor keeps its own; a newcomer receives the source's, as a resume would) -- and
-``uneven=True`` without ``outer``, with exact or compressed gossip, over the default process group, a topology given by
-name, and one decentralized optimizer per process. Everything else is refused when the
+Supported: every schedule of rounds -- ``local_steps=1``, and ``local_steps=H`` with or
+without ``outer`` and ``uneven=True`` (the outer step on the anchors, or on each rank's slow
+weights: each survivor keeps its own; a newcomer receives the source's, as a resume would) --
+with exact or compressed gossip, over the default process group, a topology given by name, and
+one decentralized optimizer per process. Everything else is refused when the
 optimizer is built. Other collectives of the optimizer (``synchronize()``, ``averaged()``,
 ``consensus_distance()``, ``checkpoint.load``) still raise a ``GossipError`` when a member is
 lost during them; after a change the first three run over the new group. Checkpoints saved
@@ -83,16 +83,15 @@ if TYPE_CHECKING:
 
     from decent_optim.gossip.codec_base import Codec
     from decent_optim.optim.rounds import Rounds
-    from decent_optim.optim.schedules import Schedule
     from decent_optim.optim.startup import Connected
 
 __all__ = ["Live", "attach", "check", "superseded", "topology_for"]
 
 #: the settings live membership supports, for the refusals' messages
 SUPPORTED = (
-    "membership= supports local_steps=1, or local_steps=H with any outer= (uneven=True with "
-    "outer=None), exact or with compression=, over the default process group "
-    "(process_group=None) and a topology given by name"
+    "membership= supports local_steps=1, or local_steps=H with any outer= and uneven=, exact "
+    "or with compression=, over the default process group (process_group=None) and a topology "
+    "given by name"
 )
 
 
@@ -101,7 +100,6 @@ def check(
     on_change: object,
     topology: object,
     process_group: object,
-    schedule: Schedule,
 ) -> None:
     """Refuse a ``membership=`` setting live membership does not support, saying what is."""
     if membership is None:
@@ -116,8 +114,6 @@ def check(
     if on_change is not None and not callable(on_change):
         raise TypeError(f"on_membership_change= must be callable, got {on_change!r}")
     refused = []
-    if schedule.outer is not None and schedule.uneven is not None:
-        refused.append(f"outer={schedule.outer!r} with uneven=True")
     if process_group is not None:
         refused.append("process_group= (the survivors rebuild the default group)")
     if not isinstance(topology, str):

@@ -1,15 +1,15 @@
 """Checkpoints of local steps: the anchors and outer momentum, in ``state_dict()["decent_optim"]``.
 
 With ``local_steps > 1`` a rank's state includes what :mod:`~decent_optim.optim.local_steps`
-keeps per bucket besides the parameters (:meth:`LocalRounds.saved
-<decent_optim.optim.local_steps.LocalRounds.saved>`): the anchor (what the rank last sent, or
+keeps per bucket besides the parameters (:meth:`Rounds.saved
+<decent_optim.optim.rounds.Rounds.saved>`): the anchor (what the rank last sent, or
 its outer parameters) and what its period end owns (:mod:`~decent_optim.optim.outer`): with
 outer momentum the momentum buffer, with ``LocalOuterSGD`` the slow weights and their momentum. They are saved per parameter, in
 torch.optim's state-dict order, under the :data:`ENTRY` key of the package's entry, so that a
 resume in the middle of a period is exact. Every-step gossip saves nothing here.
 
 With ``uneven=True`` the entry also holds where the periods stand
-(:meth:`~decent_optim.optim.uneven.UnevenRounds.schedule_state`); its rounds, not the ranks'
+(:meth:`~decent_optim.optim.uneven.UnevenPeriods.state`); its rounds, not the ranks'
 step counts, are what the ranks of one checkpoint must agree on (:func:`round_of`).
 """
 
@@ -20,9 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from decent_optim.optim.local_steps import LocalRounds, Periods
+from decent_optim.optim.local_steps import Periods
 from decent_optim.optim.rounds import Rounds
-from decent_optim.optim.uneven import UnevenRounds
 
 __all__ = ["ENTRY", "ROUND", "check", "restore", "round_of", "save"]
 
@@ -35,15 +34,20 @@ ROUND = "the round (uneven=True)"
 def save(rounds: Rounds, params: list[Tensor]) -> dict[str, Any] | None:
     """The anchors and outer momentum per parameter (``params``: the optimizer's parameters in
     state-dict order), or None for every-step gossip."""
-    if not isinstance(rounds, LocalRounds):
+    saved = rounds.saved()
+    if saved is None:
         return None
     index = {id(p): i for i, p in enumerate(params)}
-    entry: dict[str, Any] = {"local_steps": rounds.local_steps, "outer": repr(rounds.setting)}
+    entry: dict[str, Any] = {
+        "local_steps": rounds.when.local_steps,
+        "outer": repr(rounds.end.setting),
+    }
     if _cadence(rounds) is not None:  # another cadence than every local_steps steps
         entry["periods"] = _cadence(rounds)
-    if isinstance(rounds, UnevenRounds):  # where the uneven periods stand
-        entry["uneven"] = rounds.schedule_state()
-    for key, flats in rounds.saved().items():
+    uneven = rounds.when.state(rounds)
+    if uneven is not None:  # where the uneven periods stand
+        entry["uneven"] = uneven
+    for key, flats in saved.items():
         if flats is None:
             continue
         entry[key] = {
@@ -85,9 +89,8 @@ def check(rounds: Rounds, entry: Any) -> None:
     Called inside :func:`~decent_optim.optim.checkpoint.agree_to_load`, whose agreement turns
     one rank's error into the same error on every rank, naming it (alone, that rank would leave
     while the others wait for it in the agreement's collective)."""
-    local = rounds.local_steps if isinstance(rounds, LocalRounds) else 1
-    outer = repr(rounds.setting) if isinstance(rounds, LocalRounds) else repr(None)
-    uneven = isinstance(rounds, UnevenRounds)
+    local, outer = rounds.when.local_steps, repr(rounds.end.setting)
+    uneven = rounds.when.state(rounds) is not None
     if entry is None:
         return  # every-step gossip, or a torch.optim checkpoint: the anchors restart
     if not isinstance(entry, dict) or "local_steps" not in entry:
@@ -103,18 +106,20 @@ def check(rounds: Rounds, entry: Any) -> None:
 
 def _cadence(rounds: Rounds) -> str | None:
     """The cadence of ``rounds`` as a checkpoint records it: None for every ``local_steps``."""
-    periods = getattr(rounds, "periods", None)
+    periods = getattr(rounds.when, "periods", None)
     return None if periods is None or type(periods) is Periods else repr(periods)
 
 
 def restore(rounds: Rounds, entry: dict[str, Any] | None, params: list[Tensor]) -> None:
-    """Put a checkpoint's anchors and momentum back (after :meth:`LocalRounds.reset`)."""
-    if entry is None or not isinstance(rounds, LocalRounds):
+    """Put a checkpoint's anchors and momentum back (after :meth:`Rounds.reset
+    <decent_optim.optim.rounds.Rounds.reset>`)."""
+    saved_keys = rounds.saved()
+    if entry is None or saved_keys is None:
         return
-    if isinstance(rounds, UnevenRounds):
-        rounds.load_schedule_state(entry["uneven"])
+    if rounds.when.state(rounds) is not None:
+        rounds.when.load(rounds, entry["uneven"])
     index = {id(p): i for i, p in enumerate(params)}
-    for key in rounds.saved():
+    for key in saved_keys:
         saved = entry.get(key)
         if saved is None:
             continue

@@ -27,34 +27,33 @@ pseudo-gradients) keeps the workers' *mean* on exactly DiLoCo's outer dynamics a
 disagreement of the :math:`\theta_i` by :math:`W` every round; the derivation is in
 ``docs/algorithms.rst`` ("Local steps"). ``outer=OuterSGD(lr=1, momentum=0)`` is the plain mode.
 
-The anchors travel, never the parameters, so parameters may be written at any time; the anchor
-is never written while its round travels. What happens at a period's end (nothing, the outer
-step on the anchors above, or one on each rank's slow weights) is a part of its own,
-:mod:`~decent_optim.optim.outer`, which owns its state. Checkpoints of the anchors and of that
-state: :mod:`~decent_optim.optim.local_checkpoint`. ``local_steps=1`` without ``outer`` is not this class
-but the ordinary :class:`~decent_optim.optim.rounds.Rounds` (every-step gossip, bit for bit).
+This module holds the *when* of these rounds: :class:`Periods`, a cadence every rank computes
+from its step count alone, and :class:`StepLocked`, the part of
+:class:`~decent_optim.optim.rounds.Rounds` that mixes and launches on it. Every-step gossip is
+``Periods(1)`` with the parameters themselves travelling; local steps send the anchors
+(:mod:`~decent_optim.optim.travel`), so parameters may be written at any time. What happens at a
+period's end (nothing, the outer step on the anchors above, or one on each rank's slow weights)
+is a part of its own, :mod:`~decent_optim.optim.outer`, which owns its state. Checkpoints of the
+anchors and of that state: :mod:`~decent_optim.optim.local_checkpoint`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from decent_optim.gossip import PendingMix
+    from decent_optim.optim.rounds import Rounds
 
-from decent_optim.flat import FlatParams
-from decent_optim.gossip import Gossiper, GossipHandle, LocalGossiper
-from decent_optim.optim.outer import PeriodEnd
-from decent_optim.optim.rounds import Rounds
-
-__all__ = ["LocalRounds", "Periods"]
+__all__ = ["Periods", "StepLocked"]
 
 
 @dataclass(frozen=True)
 class Periods:
-    """When the periods of local steps end: every ``local_steps`` steps (the cadence part of
-    :class:`LocalRounds`). Another cadence is a subclass passed as ``local_steps=``; each
-    method answers for a step count, the same on every rank."""
+    """When the periods of local steps end: every ``local_steps`` steps. Another cadence is a
+    subclass passed as ``local_steps=`` (e.g. :mod:`~decent_optim.optim.doubling`); each method
+    answers for a step count, the same on every rank."""
 
     local_steps: int
 
@@ -71,148 +70,90 @@ class Periods:
         return count // self.local_steps
 
 
-class LocalRounds(Rounds):
-    """The rounds of the module docstring: one every ``local_steps`` steps, carrying the anchors,
-    and ``end`` (:mod:`~decent_optim.optim.outer`) at the end of each period."""
+class StepLocked:
+    """The rounds of the module docstring on the cadence ``periods``: in the step that ends a
+    period, before the update, the round launched at its start is mixed (waiting for it, as
+    every rank steps alike); after the update, a period's end launches the next."""
 
-    def __init__(
-        self,
-        gossip: Gossiper | LocalGossiper,
-        flat: FlatParams,
-        global_avg_every: int | None,
-        local_steps: int,
-        end: PeriodEnd,
-        periods: Periods | None = None,
-    ) -> None:
-        super().__init__(gossip, flat, global_avg_every)
-        self.local_steps, self.end = local_steps, end
-        self.periods = periods or Periods(local_steps)
-        # taken from the parameters at the first step (not at construction: the model may still
-        # be loaded between building the optimizer and stepping)
-        self.anchor: list[Tensor] | None = None
+    hint: str | None = None  # a failed round: the gossip's own hint
 
-    @property
-    def setting(self) -> object:
-        """The outer setting a checkpoint records and a resume must match."""
-        return self.end.setting
+    def __init__(self, periods: Periods) -> None:
+        self.periods, self.local_steps = periods, periods.local_steps
+        self.budget: float | None = None  # of stop_at, in DDP-equivalent steps
 
-    def saved(self) -> dict[str, list[Tensor] | None]:
-        """What a checkpoint keeps besides the parameters, one flat per bucket (None: not
-        taken yet), by its key (:mod:`~decent_optim.optim.local_checkpoint`)."""
-        return {"anchor": self.anchor, **self.end.state()}
+    def progress(self, rounds: Rounds) -> float:
+        """Every rank steps once per step: DDP-equivalent steps are the step count."""
+        return float(rounds.count)
 
-    def load_saved(self, key: str, flats: list[Tensor]) -> None:
-        """Take back one entry of :meth:`saved`."""
-        if key == "anchor":
-            self.anchor = flats
-        else:
-            self.end.load(key, flats)
-
-    @property
-    def round(self) -> int:
+    def round(self, rounds: Rounds) -> int:
         """Periods completed (one round is launched at the end of each)."""
-        return self.periods.index(self.count)
+        return self.periods.index(rounds.count)
 
-    def take(self) -> None:  # type: ignore[override]
-        """Before a step's update: at the end of a period, mix the round that travelled in."""
-        self.check_free("step()")
-        if self.anchor is None:
-            self.anchor = [b.clone() for b in self._flat.buffers]
-        if self.periods.ends(self.count + 1):
-            self._mix_in(self.count + 1)
-        self.end.start(self._flat.buffers)
+    def stopped(self, rounds: Rounds) -> bool:
+        return self.budget is not None and rounds.count >= self.budget
+
+    def stop_at(self, rounds: Rounds, steps: float) -> None:
+        self.budget = float(steps)
+
+    def check_round(self, rounds: Rounds, what: str) -> None:
+        """Every rank steps once per step, so a collective at the same step is at the same
+        round: nothing to check (uneven periods check)."""
+
+    def check_step(self, rounds: Rounds) -> None:
+        pass
+
+    def take(self, rounds: Rounds) -> list[PendingMix] | None:
+        if self.periods.ends(rounds.count + 1):
+            return rounds.mix_in(rounds.count + 1, deferred=True)
         return None
 
-    def launch(self) -> None:
-        """Count a completed step; the slow step when due; at a period's end the period end's
-        step and the round."""
-        n = self.gossip.world_size  # step-locked: the ranks' summed steps are n times the count
-        if self.end.crossed(self.count * n, (self.count + 1) * n, n):
-            self.end.slow_step(self._flat.buffers)
-        self.count += 1
-        if not self.periods.ends(self.count):
-            return
-        assert self.anchor is not None  # take() ran first
-        self.end.anchor_step(self._flat.buffers, self.anchor)
-        self._launch_round()
-        if self.end.waits:
+    def slow_due(self, rounds: Rounds) -> bool:
+        n = rounds.gossip.world_size  # step-locked: the ranks' summed steps are n times the count
+        return rounds.end.crossed(rounds.count * n, (rounds.count + 1) * n, n)
+
+    def launches(self, rounds: Rounds) -> bool:
+        return self.periods.ends(rounds.count)
+
+    def send(self, rounds: Rounds) -> None:
+        rounds.launch_round()
+        rounds.record_versions()
+        if rounds.end.waits and self.periods.ends(rounds.count):
             # waited for now, not overlapped with the next period: starting a period from the
             # unmixed outer step, which DiLoCo's rates amplify about 7x, trained far worse
             # (+23% against DiLoCo's +0.8% in the time-to-quality benchmark; docs/algorithms)
-            self._mix_in(self.count)
+            rounds.mix_in(rounds.count)
 
-    def enter(self, resume: int) -> None:
-        """A newcomer's first round; where the period end waits for it (DiLoCo), mixed at once,
-        as the members did in the step that took the newcomer in."""
-        super().enter(resume)
-        if self.end.waits and self.periods.ends(self.count):
-            self._mix_in(self.count)
+    def next_round(self, rounds: Rounds) -> tuple[int, int | None]:
+        """The round of the period holding the count, launched at its start (also when
+        launched again after a resume)."""
+        start = self.periods.start(rounds.count)
+        return self.periods.index(start), start
 
-    def join(self, count: int, resume: int) -> None:
-        """A newcomer's rounds: what it sends is what it holds (the anchors not received)."""
-        if self.anchor is None:
-            self.anchor = [b.clone() for b in self._flat.buffers]
-        super().join(count, resume)
+    def synchronize(self, rounds: Rounds) -> None:
+        # with the parameters in place a failed round raises here, as in the other collectives
+        # of live membership; the anchors' round is dropped as in a step
+        rounds.mix_in(rounds.count if rounds.travel.anchored else None)
 
-    def synchronize(self) -> None:
-        """Mix the round in flight now instead of at the end of the period."""
-        self.check_free("synchronize()")
-        self._mix_in(self.count)
+    def wait(self, rounds: Rounds, check_writes: bool) -> None:
+        rounds.transfers(check_writes)
 
-    def wait(self, *, check_writes: bool = True) -> None:
-        """Complete the transfers of the round in flight (the anchors) without mixing it."""
-        if self._pending is not None:
-            self._pending.wait()
+    def reset(self, rounds: Rounds) -> None:
+        pass
 
-    def readopt(self, owner: str) -> None:
-        """Take back moved parameters; the anchors stay where they are, so no new device.
+    def mark(self, rounds: Rounds) -> int:
+        return -1  # the count says everything
 
-        No round to settle first: the anchors travel, never the parameters.
-        """
-        if self._flat.moved():
-            self._flat.readopt(owner)
-        if self.anchor is not None:
-            for a, x in zip(self.anchor, self._flat.buffers):
-                if (a.device, a.dtype) != (x.device, x.dtype):
-                    raise RuntimeError(
-                        f"{owner} with local_steps: parameters moved to {x.device} / {x.dtype} "
-                        f"after the first step, but the outer parameters are on {a.device} / "
-                        f"{a.dtype}. Move the model before building the optimizer, or save a "
-                        "checkpoint and build a new optimizer after moving"
-                    )
+    def enter(self, rounds: Rounds, resume: int, mark: int) -> None:
+        """A newcomer's first round: the one the members launch now, if they do (live
+        membership decides); mixed at once where the period end waits for it (DiLoCo), as the
+        members did in the step that took the newcomer in."""
+        self.send(rounds)
 
-    def record_versions(self) -> None:
-        """Nothing to guard: the parameters never travel, the anchors are written by no one."""
-        self._versions = None
+    def regrouped(self, rounds: Rounds, before: int) -> None:
+        """Nothing to do: the next launch is on the new group."""
 
-    def reset(self, count: int, in_flight: bool) -> None:
-        """Continue from a checkpoint; the anchors come from it too (:func:`restore`), else from
-        the parameters at the next step."""
-        super().reset(count, in_flight)
-        self.anchor = None
-        self.end.reset()
+    def state(self, rounds: Rounds) -> dict[str, object] | None:
+        return None  # the step count says where the periods stand
 
-    def _mix_in(self, after: int) -> None:
-        # after: the count at the end of this step (live membership's resume round)
-        handle = self._taken()
-        if handle is None or not self._arrived(handle, after):
-            return
-        assert self.anchor is not None
-        with torch.no_grad():
-            # x - a is the local progress of the period; the mixed anchor gets it back
-            for x, a in zip(self._flat.buffers, self.anchor):
-                x.sub_(a)
-            handle.wait_and_mix_()
-            for x, a in zip(self._flat.buffers, self.anchor):
-                x.add_(a)
-
-    def _start(self) -> GossipHandle | None:
-        # the round of period count // H, launched at its start (also when launched again)
-        start = self.periods.start(self.count)
-        every = self._every
-        global_average = every is not None and start % every == 0
-        assert self.anchor is not None
-        handle = self.gossip.start(
-            self.anchor, self.periods.index(start), global_average=global_average
-        )
-        return None if handle.is_noop else handle
+    def load(self, rounds: Rounds, state: dict[str, object]) -> None:
+        pass

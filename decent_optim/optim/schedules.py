@@ -1,16 +1,10 @@
-"""Which schedule of rounds an optimizer runs, from its keywords: a cadence and a period end.
+"""Which schedule of rounds an optimizer runs, from its keywords: the parts of its rounds.
 
-The cadence (when rounds are launched and mixed):
-
-* every step (``local_steps=1``, no ``outer``): :class:`~decent_optim.optim.rounds.Rounds`;
-* every ``local_steps`` steps, carrying the anchors: :class:`~decent_optim.optim.local_steps.LocalRounds`;
-* periods of at least ``local_steps`` steps that last until the neighbours' round is in
-  (``uneven=True``): :class:`~decent_optim.optim.uneven.UnevenRounds`.
-
-The period end of the last two (:mod:`~decent_optim.optim.outer`), from ``outer=``: nothing,
-DiLoCo's outer step on the anchors (``"diloco"`` or an ``OuterSGD``), or the outer step on each
-rank's slow weights (a ``LocalOuterSGD``). The keywords are checked here, before anything is
-built, with an error that says what to pass.
+One :class:`~decent_optim.optim.rounds.Rounds` runs every schedule; :func:`make_rounds` chooses
+its parts (listed there), one line each: when (step-locked on a cadence of ``local_steps=``, or
+uneven periods), what travels (the parameters in place for every-step gossip without ``outer``,
+else the anchors), and the period end of ``outer=``. The keywords are checked here, before
+anything is built, with an error that says what to pass.
 """
 
 from __future__ import annotations
@@ -20,10 +14,11 @@ from dataclasses import dataclass
 
 from decent_optim.flat import FlatParams
 from decent_optim.gossip import Gossiper, LocalGossiper
-from decent_optim.optim.local_steps import LocalRounds, Periods
+from decent_optim.optim.local_steps import Periods, StepLocked
 from decent_optim.optim.outer import AnchorOuter, LocalOuterSGD, OuterSGD, PeriodEnd, SlowOuter
 from decent_optim.optim.rounds import Rounds
-from decent_optim.optim.uneven import UnevenRounds
+from decent_optim.optim.travel import Anchors, InPlace
+from decent_optim.optim.uneven import UnevenPeriods
 
 __all__ = ["EVERY_STEP", "Schedule", "Uneven", "check", "make_rounds"]
 
@@ -148,8 +143,8 @@ def make_rounds(
     global_avg_every: int | None,
     schedule: Schedule,
 ) -> Rounds:
-    """The rounds of an optimizer with ``schedule`` (module docstring)."""
-    outer = schedule.outer
+    """The rounds of an optimizer with ``schedule``: its parts (module docstring)."""
+    outer, uneven, local_steps = schedule.outer, schedule.uneven, schedule.local_steps
     end = (
         PeriodEnd()
         if outer is None
@@ -157,9 +152,11 @@ def make_rounds(
         if isinstance(outer, LocalOuterSGD)
         else AnchorOuter(outer)
     )
-    if schedule.uneven is not None:
-        cap, adaptive = schedule.uneven.cap, schedule.uneven.adaptive
-        return UnevenRounds(gossip, flat, schedule.local_steps, cap, adaptive, end)
-    if schedule.local_steps == 1 and outer is None and schedule.periods is None:
-        return Rounds(gossip, flat, global_avg_every)
-    return LocalRounds(gossip, flat, global_avg_every, schedule.local_steps, end, schedule.periods)
+    when = (
+        UnevenPeriods(local_steps, uneven.cap, uneven.adaptive)
+        if uneven is not None
+        else StepLocked(schedule.periods or Periods(local_steps))
+    )
+    every_step = local_steps == 1 and outer is None and schedule.periods is None and not uneven
+    travel = InPlace(flat) if every_step else Anchors(flat)
+    return Rounds(gossip, flat, global_avg_every, when, travel, end)

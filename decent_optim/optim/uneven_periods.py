@@ -1,4 +1,5 @@
-r"""The clock of uneven ranks: what the rounds' summed step counts tell a rank (:class:`Clock`).
+r"""The clock of uneven ranks: what the rounds' summed step counts tell a rank (:class:`Clock`),
+and the loop they must write.
 
 It owns the counters of :mod:`~decent_optim.optim.uneven`'s rounds that come from the sums of
 step counts: the ranks' summed steps :math:`S_k` at the last mixed round, this rank's count when
@@ -8,13 +9,13 @@ steps before the next launch.
 **Progress and the budget.** With each round every rank also launches a sum of the ranks' step
 counts (no waiting), read when the round is mixed: every rank learns the same total
 :math:`S_k` at the same round. The progress
-(:attr:`~decent_optim.optim.uneven.UnevenRounds.progress`) is :math:`S_k / n` plus the rank's
+(:meth:`~decent_optim.optim.uneven.UnevenPeriods.progress`) is :math:`S_k / n` plus the rank's
 own steps since it launched round :math:`k` (DDP-equivalent steps, for learning-rate
-schedules); after :meth:`~decent_optim.optim.uneven.UnevenRounds.stop_at` every rank stops after
+schedules); after :meth:`~decent_optim.optim.uneven.UnevenPeriods.stop_at` every rank stops after
 the step that mixes the first round with :math:`S_k / n + H` at the budget or beyond -- the same
 round on every rank, so none waits for a round that no one will send, and a run ends at most a
 period past its budget. A checkpoint keeps these counters
-(:meth:`~decent_optim.optim.uneven.UnevenRounds.schedule_state`); loaded by another number of
+(:meth:`~decent_optim.optim.uneven.UnevenPeriods.state`); loaded by another number of
 ranks, the progress goes on (:meth:`Clock.carry`).
 
 **Shorter periods for slow ranks**: a rank slower than the mean launches its rounds after fewer
@@ -36,11 +37,55 @@ then lasts about :math:`H` steps of an average rank instead of :math:`H` of the 
 quarter speed the slow rank takes one step per period and the others about four. Every number
 comes from the rounds' sums, so where the rounds arrive as before the periods are as before;
 on even hardware every :math:`c_i = \bar c = H`, so :math:`m_i = H`.
+
+**The loop.** The ranks take different numbers of steps, so everything that every rank must do
+at the same point -- stop, evaluate, save, call a collective -- goes at a *round*
+(``opt.round``), never at a step count. :data:`LOOP` is that loop in words, for the errors that
+refuse other loops; :data:`HINT` is what a failed round says usually causes it in this mode;
+:func:`check_same_round` compares the ranks' rounds before a collective, so that one called at
+different rounds is an error on every rank instead of a collective matched with the wrong one
+(or a hang).
 """
 
 from __future__ import annotations
 
-__all__ = ["Clock", "next_period"]
+from typing import Any
+
+from decent_optim.gossip.collectives import comm_device
+from decent_optim.optim.agreement import Account, agree
+
+__all__ = ["HINT", "LOOP", "Clock", "check_same_round", "next_period"]
+
+#: the loop uneven ranks need, for the errors that send users to it
+LOOP = (
+    "opt.stop_at(total_steps) before the loop, then `while not opt.stopped: ... opt.step()`, "
+    "with collectives (opt.averaged(), checkpoints) at rounds: `if opt.round % k == 0 and "
+    "opt.round != last:` (see docs/uneven_hardware)"
+)
+
+#: what usually stops a neighbour's rounds in this mode (GossipError's hint)
+HINT = (
+    "With uneven=True a peer also stops sending rounds when it left its training loop before "
+    "opt.stopped turned true (a `for step in range(N)` loop: ranks take different numbers of "
+    "steps, an early `break`), stopped at another budget, or waits in a collective that it "
+    "called at another round. Every rank needs the same loop: " + LOOP
+)
+
+
+def check_same_round(gossip: Any, round: int, what: str) -> None:
+    """Raise the same :class:`~decent_optim.optim.agreement.AgreementError` on every rank of
+    ``gossip``'s group if they reached the collective ``what`` at different rounds (one small
+    all-gather, bounded by the gossip's timeout; nothing in a world of one)."""
+    group = getattr(gossip, "group", None)
+    if group is None:
+        return
+    account = Account(settings=[("the round", f"opt.round {round}")])
+    hint = (
+        "With uneven=True ranks reach the same step count at different rounds, so "
+        f"collectives go at rounds, not at step counts (`t % k == 0`): {LOOP}"
+    )
+    timeout = getattr(gossip, "timeout", None)
+    agree(account, group, comm_device(group), what, hints={"the round": hint}, timeout=timeout)
 
 
 def next_period(local_steps: int, summed: float, world_size: int, own: int) -> int:
@@ -128,8 +173,8 @@ class Clock:
             self.stopped = True
 
     def state(self) -> dict[str, object]:
-        """The counters a checkpoint keeps (of :meth:`UnevenRounds.schedule_state
-        <decent_optim.optim.uneven.UnevenRounds.schedule_state>`)."""
+        """The counters a checkpoint keeps (of :meth:`UnevenPeriods.state
+        <decent_optim.optim.uneven.UnevenPeriods.state>`)."""
         return {
             "total": self.total,
             "count_at_launch": self.count_at_launch,
