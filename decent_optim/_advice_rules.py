@@ -70,8 +70,8 @@ UNEVEN_LOCAL_STEPS = 2
 UNEVEN_MANY_OUTER: dict[str, Any] = {"every": 16, "lr": 0.7, "momentum": 0.5}
 
 #: live membership: the survivors' next step 0.55-1.5 s after a SIGKILL, no step lost, against
-#: 25 s and 6 steps for a torchrun restart from disk (docs/surviving_failures.rst). It refuses
-#: ``outer=``. Under torchrun it survives only with one worker per torchrun agent and a store no
+#: 25 s and 6 steps for a torchrun restart from disk (docs/surviving_failures.rst); it takes
+#: every schedule, ``outer=`` and ``uneven=True`` included. Under torchrun it survives only with one worker per torchrun agent and a store no
 #: worker hosts (issue 64).
 MEMBERSHIP_TIMEOUT_S = 5
 FAILURES_NEEDS = (

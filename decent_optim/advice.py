@@ -205,9 +205,6 @@ def _finish(
             "one at half speed), uneven=True at the mean speed (1.07-1.15x)"
         )
     if failures:
-        if kwargs.pop("outer", None) is not None:
-            source.pop("outer", None)
-            reasons.append("outer= is refused with membership=, so it is left out")
         use_ddp = False
         if verdict == "loses":
             verdict = "loses on time without failures, and survives the failures DDP does not"

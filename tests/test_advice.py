@@ -156,11 +156,15 @@ def test_many_workers_follow_their_one_rule(monkeypatch):
     assert not few.sharded and few.kwargs["topology"] == "alternating-exp-ring"
 
 
-def test_failures_add_membership_and_drop_the_refused_outer_step():
+def test_failures_add_membership_and_keep_the_outer_step():
+    """Live membership takes every schedule (issue 62): the line for failures is the line
+    without them, plus membership=."""
+    plain = decent_optim.recommend(r=30, nodes=4, workers_per_node=1)
     advice = decent_optim.recommend(r=30, nodes=4, workers_per_node=1, failures=True)
-    assert advice.membership and "outer" not in advice.kwargs
+    assert "outer" in plain.kwargs
+    assert advice.membership and advice.kwargs == plain.kwargs
     assert "membership=Membership(store, timeout=5)" in advice.line
-    assert "outer=" not in advice.line
+    assert "outer=LocalOuterSGD(" in advice.line
 
 
 def test_the_keyword_arguments_build_the_optimizer():
