@@ -17,8 +17,10 @@ in the first group; ``members`` lists the ids of generation ``g`` by rank. Each 
    once no ``Work`` of the group is referenced any more, not at ``destroy_process_group``,
    ``abort()`` or ``shutdown()`` (measured with torch 2.13);
 2. waits until every member has posted, or every member that has not is suspected by one that
-   has, or twice the timeout has passed since it posted (a live member's own waits end within
-   the timeout, and then it posts: silent after that, it is hung). A wait that a member left
+   has or is gone (its :mod:`~decent_optim.gossip.liveness` beacon refuses a connection: two
+   workers lost at once are left out together), or twice the timeout has passed since it
+   posted (a live member's own waits end within the timeout, and then it posts: silent after
+   that, it is hung). A wait that a member left
    for the change goes on in its helper thread (:meth:`Membership.watch`); if it ends naming
    a peer (timed out, or closed), the member adds that peer to its post, so that a hung rank
    is left out when its neighbours' waits time out, not twice the timeout later;
@@ -28,7 +30,7 @@ in the first group; ``members`` lists the ids of generation ``g`` by rank. Each 
 
 The new rank of id ``i`` is its index in the decision. A rebuild that fails (a member died after
 posting, so the new group cannot connect within the timeout) is agreed again in the next
-generation, where only posting counts: the members silent for the timeout are left out.
+generation, where only posting counts: the members silent for the timeout, or gone, are left out.
 Every wait is bounded by a multiple of ``timeout``.
 
 Joining: a newcomer (``join=True``) takes an id above all earlier ones (``{prefix}/world`` plus a
@@ -46,7 +48,7 @@ from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 
-from decent_optim.gossip import membership_store
+from decent_optim.gossip import liveness, membership_store
 from decent_optim.gossip.failures import GossipError
 from decent_optim.gossip.membership_args import built, check_arguments, check_place, warn_if_alone
 from decent_optim.gossip.membership_log import log_change
@@ -121,6 +123,7 @@ class Membership:
         self.me = dist.get_rank()
         self.view = View(0, tuple(range(world)), self.me, ())
         store.compare_set(f"{prefix}/world", "", str(world))  # where newcomers' ids start
+        liveness.post(store, f"{self.prefix}/beacon/{self.me}")
         warn_if_alone(world)
 
     def _key(self, generation: int, name: str) -> str:
@@ -219,6 +222,7 @@ class Membership:
             )
         world = int(store.get(f"{self.prefix}/world").decode())
         self.me = world + store.add(f"{self.prefix}/joined", 1) - 1
+        liveness.post(store, f"{self.prefix}/beacon/{self.me}")
         key = f"{self.prefix}/generation"
         g = int(store.get(key).decode()) if store.check([key]) else 0
         for _ in range(64):
@@ -248,6 +252,8 @@ class Membership:
             dist.destroy_process_group()
         decision_key = self._key(g, "decision")
         deadline = time.monotonic() + self.timeout * (2 if quick else 1)
+        dead: set[int] = set()  # members whose process is gone (liveness: beacon refused)
+        beacons, probe = f"{self.prefix}/beacon", time.monotonic()
         while True:
             if store.check([decision_key]):
                 decided = _ids(store.get(decision_key).decode())
@@ -261,14 +267,18 @@ class Membership:
             for i in newcomers:  # they posted before they asked: none is waited for
                 if i not in view.members and store.check([self._key(g, f"join/{i}")]):
                     posted[i] = set()
-            late = self._waits.blamed(g, view.members)
+            silent = set(view.members) - set(posted)
+            # who the others name (in a later generation only posting counts), and who is gone
+            blamed = set().union(*posted.values()) if quick else set()
+            if time.monotonic() >= probe:  # the silent ones nobody names: gone?
+                dead |= liveness.dead(store, beacons, silent - blamed - dead)
+                probe = time.monotonic() + 0.05
+            late = self._waits.blamed(g, view.members) | dead
             if not late <= suspected | {self.me}:
                 suspected = suspected | late - {self.me}
                 store.set(self._key(g, f"alive/{self.me}"), _text(suspected))
                 continue
-            silent = set(view.members) - set(posted)
-            blamed = set().union(*posted.values())
-            if not silent or (quick and silent <= blamed) or time.monotonic() >= deadline:
+            if not silent or silent <= blamed | dead or time.monotonic() >= deadline:
                 proposal = _text(posted)
                 won = store.compare_set(decision_key, "", proposal)
                 decided = _ids(won.decode() if isinstance(won, bytes) else won)
