@@ -27,8 +27,8 @@ _log = logging.getLogger("decent_optim.gossip.membership")
 
 #: where to serve the store instead (the docs' "The store")
 _SERVE = (
-    "serve the store from a process that trains nothing: torchrun's agent store, or "
-    "`python examples/live_membership.py --serve-store PORT` on a host that does not train "
+    "serve the store from a process that trains nothing: `python -m decent_optim.store "
+    "--port PORT` on a host that does not train, or torchrun's agent store "
     '(docs/surviving_failures, "The store")'
 )
 
