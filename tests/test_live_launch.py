@@ -279,7 +279,7 @@ def test_a_lost_store_pauses_membership_and_a_later_loss_names_it(tmp_path):
     # the round rank 1 launched at the end of its step 7 may still arrive)
     assert KILL_AT <= out["steps"] <= KILL_AT + 1, out
     assert len(out["warnings"]) == 1, out["warnings"]
-    assert "training goes on, but live membership is off" in out["warnings"][0]
+    assert "training goes on, but live membership is paused" in out["warnings"][0]
     said = out["error"]
     assert f"a change of membership needs the membership store (TCPStore 127.0.0.1:{port})" in said
     assert (

@@ -89,3 +89,39 @@ def test_two_simultaneous_losses_are_left_out_in_one_change(tmp_path, world, vic
     expected = _live.simulate(starts, survivors, 1)
     for r, want in zip(survivors, expected):
         torch.testing.assert_close(results[r]["final"], want, rtol=0, atol=1e-10)
+
+
+def _member(rank, world_size, path):
+    import torch.distributed as dist
+
+    from decent_optim.gossip.membership import Membership
+
+    Membership(dist.FileStore(os.path.join(path, "store"), -1), prefix="gone", timeout=TIMEOUT)
+    return True  # and the process is killed: the job's every member is gone
+
+
+def _newcomer(path):
+    import torch.distributed as dist
+
+    from decent_optim.gossip.membership import Membership, MembershipError
+
+    store = dist.FileStore(os.path.join(path, "store"), -1)
+    live = Membership(store, prefix="gone", timeout=TIMEOUT, join=True)
+    begin = time.monotonic()
+    try:
+        live.rebuild()
+    except MembershipError as err:
+        return str(err), time.monotonic() - begin
+    return None, time.monotonic() - begin
+
+
+@pytest.mark.multiprocess
+def test_a_newcomer_with_no_member_left_is_told_at_once(tmp_path):
+    # one torchrun agent held every worker: it stopped them all, and restarts them as newcomers
+    from _harness import start_alone
+
+    assert run_world_fresh(_member, 2, str(tmp_path)) == [True, True]
+    said, took = start_alone(_newcomer, str(tmp_path)).result(timeout=60)
+    assert said is not None and "every member of the job is gone" in said, said
+    assert "one agent per GPU (--nproc-per-node 1)" in said, said
+    assert took < TIMEOUT, took  # before: 3 timeouts, then "no member answered"

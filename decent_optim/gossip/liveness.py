@@ -15,7 +15,9 @@ more, i.e. the member's process is gone (the kernel closes a dead process's sock
 is left out without waiting. A hung (stopped) process still gets its connections accepted by
 the kernel, and an unreachable host refuses nothing: both are inconclusive, and the timeout
 stays their bound. A loopback address is probed only from the same host and network namespace
-(:func:`here`), where it means the same thing.
+(:func:`here`), where it means the same thing. The probe needs what gloo's own connections need
+(any port of a worker reachable from the others); a firewall that *rejects* (rather than drops)
+connections to ports it does not know would make a live member look gone.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Iterable
+from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Beacon", "dead", "gone", "here", "post"]
+__all__ = ["Beacon", "dead", "every_one_gone", "gone", "here", "post", "unanswered"]
 
 #: seconds a probe waits for a connection (refused is immediate; a dead host is inconclusive)
 PROBE_S = 0.2
@@ -107,3 +111,26 @@ def dead(store: dist.Store, prefix: str, ids: set[int]) -> set[int]:
     connection: their processes are gone."""
     keys = {i: f"{prefix}/{i}" for i in ids}
     return {i for i, k in keys.items() if store.check([k]) and gone(store.get(k).decode())}
+
+
+def every_one_gone(store: dist.Store, membership: Any, ids: Iterable[int]) -> bool:
+    """Whether the process of every member of ``ids`` is gone (a newcomer's question: then no
+    one is left to let it in)."""
+    members = set(ids) - {membership.me}
+    return bool(members) and dead(store, f"{membership.prefix}/beacon", members) == members
+
+
+def unanswered(me: int, generation: int, waited: float, gone: bool) -> str:
+    """The message of a newcomer whose request to join nobody answered."""
+    if gone:
+        return (
+            f"[id {me}] every member of the job is gone (finished, or lost): nobody is left to "
+            f"let this newcomer in (generation {generation}). Restart the job from its last "
+            "checkpoint; under torchrun, one agent per GPU (--nproc-per-node 1) keeps a "
+            "worker's loss from stopping its node-mates (docs/surviving_failures, \"Under "
+            'torchrun")'
+        )
+    return (
+        f"[id {me}] no member answered the request to join generation {generation} within "
+        f"{waited:g} s: do the members still train?"
+    )

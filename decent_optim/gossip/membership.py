@@ -50,7 +50,13 @@ import torch.distributed as dist
 
 from decent_optim.gossip import liveness, membership_store
 from decent_optim.gossip.failures import GossipError
-from decent_optim.gossip.membership_args import built, check_arguments, check_place, warn_if_alone
+from decent_optim.gossip.membership_args import (
+    built,
+    check_arguments,
+    check_place,
+    check_suspects,
+    warn_if_alone,
+)
 from decent_optim.gossip.membership_log import log_change
 from decent_optim.gossip.view import View
 from decent_optim.gossip.watch import Waits, waits
@@ -97,21 +103,15 @@ class Membership:
         join: bool = False,
         backend: str = "gloo",
     ):
-        if not isinstance(store, dist.Store):
-            raise TypeError(
-                "Membership needs a torch.distributed Store that outlives every worker: "
-                "torchrun's agent store, or a dist.TCPStore hosted by a process that does not "
-                f"train; got {store!r}"
-            )
-        timeout, poll = check_arguments(prefix, timeout, poll, join, backend)
+        timeout, poll = check_arguments(store, prefix, timeout, poll, join, backend)
         check_place(join, dist.is_initialized())
         self.store, self.prefix, self.timeout, self.poll = store, prefix, timeout, poll
         # the new group's rendezvous waits on the store with the store's own timeout
         store.set_timeout(datetime.timedelta(seconds=self.timeout))
         #: a newcomer until its first rebuild has connected it
         self.joining = join
-        #: False once the store could not be reached (membership_store: changes are off)
-        self.reachable = True
+        #: False while the store cannot be reached (membership_store: changes are paused)
+        self.reachable, self.retry = True, 0.0
         # the waits watch() left for a change, and the peers they named (their late blame)
         self._waits = Waits(poll, MembershipChanged)
         membership_store.warn_if_hosted(store)
@@ -123,7 +123,7 @@ class Membership:
         self.me = dist.get_rank()
         self.view = View(0, tuple(range(world)), self.me, ())
         store.compare_set(f"{prefix}/world", "", str(world))  # where newcomers' ids start
-        liveness.post(store, f"{self.prefix}/beacon/{self.me}")
+        self.beacon = liveness.post(store, f"{self.prefix}/beacon/{self.me}")
         warn_if_alone(world)
 
     def _key(self, generation: int, name: str) -> str:
@@ -132,7 +132,7 @@ class Membership:
     def pending(self) -> bool:
         """Whether a member has started to agree on a change of the current generation, or a
         newcomer asks to join (one check of a store key)."""
-        if not self.reachable:
+        if not self.reachable and not membership_store.resume(self):
             return False
         try:
             return self.store.check([self._key(self.view.generation, "change")])
@@ -175,6 +175,8 @@ class Membership:
         Raises:
             MembershipError: this rank was left out, or no group could be rebuilt in time.
         """
+        if not self.reachable:
+            membership_store.resume(self, now=True)
         try:
             return self._join() if self.joining else self._rebuild(suspects)
         except dist.DistNetworkError as err:  # the store's connection, not a peer's
@@ -183,12 +185,7 @@ class Membership:
 
     def _rebuild(self, suspects: Iterable[int]) -> View:
         view = self.view
-        ranks = list(suspects)
-        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < view.world_size)]
-        if bad:
-            raise ValueError(
-                f"suspects must be ranks of the current group (0..{view.world_size - 1}), got {bad}"
-            )
+        ranks = check_suspects(suspects, view.world_size)
         suspected = {view.members[r] for r in ranks} - {self.me}
         return self._settle(view, self._agree(view, suspected, quick=True))
 
@@ -222,19 +219,20 @@ class Membership:
             )
         world = int(store.get(f"{self.prefix}/world").decode())
         self.me = world + store.add(f"{self.prefix}/joined", 1) - 1
-        liveness.post(store, f"{self.prefix}/beacon/{self.me}")
+        self.beacon = liveness.post(store, f"{self.prefix}/beacon/{self.me}")
         key = f"{self.prefix}/generation"
         g = int(store.get(key).decode()) if store.check([key]) else 0
         for _ in range(64):
             store.set(self._key(g, f"join/{self.me}"), "")
             store.add(self._key(g, "change"), 1)
             deadline, decision = time.monotonic() + wait, self._key(g, "decision")
+            members = _ids(store.get(self._key(g - 1, "decision")).decode()) if g else range(world)
+            probe = time.monotonic() + 0.2  # every member's process gone: nobody will answer
             while not store.check([decision]):
-                if time.monotonic() >= deadline:
-                    raise MembershipError(
-                        f"[id {self.me}] no member answered the request to join generation "
-                        f"{g} within {wait:g} s: do the members still train?"
-                    )
+                gone = time.monotonic() >= probe and liveness.every_one_gone(store, self, members)
+                if gone or time.monotonic() >= deadline:
+                    raise MembershipError(liveness.unanswered(self.me, g, wait, gone))
+                probe = probe if time.monotonic() < probe else time.monotonic() + 0.2
                 time.sleep(self.poll)
             decided = tuple(sorted(_ids(store.get(decision).decode())))
             if self.me in decided:
