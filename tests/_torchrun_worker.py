@@ -28,7 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from decent_optim import DecentralizedAdamW  # noqa: E402
 from decent_optim.gossip.torchrun import membership  # noqa: E402
 
-DIM, BATCH, LR, PAUSE = 16, 256, 0.2, 0.2
+DIM, BATCH, LR, PAUSE = 16, 256, 0.2, 0.25
 
 
 def batch(member, step, size=BATCH):

@@ -30,14 +30,23 @@ KILL_AT = 4
 IDLE = 1.0  # seconds the first survivor computes in the step of the kills
 
 
-def _train(rank, world_size, path, victims, idle):
+def _train(rank, world_size, path, victims, idle, deciding=None, timeout=TIMEOUT):
     import torch.distributed as dist
 
     from decent_optim import DecentralizedAdamW
+    from decent_optim.gossip import liveness
     from decent_optim.gossip.membership import Membership
 
+    if rank == deciding:  # dies once the members decided, before the new group connects
+        ready = liveness.ready
+
+        def dies(store, key, membership, members):
+            os.kill(os.getpid(), signal.SIGKILL)
+            return ready(store, key, membership, members)
+
+        liveness.ready = dies
     store = dist.FileStore(os.path.join(path, "store"), -1)
-    live = Membership(store, prefix="live", timeout=TIMEOUT)
+    live = Membership(store, prefix="live", timeout=timeout)
     model = _live.model()
     opt = DecentralizedAdamW(
         model.parameters(), lr=_live.LR, topology="ring", timeout=30.0, membership=live
@@ -125,3 +134,22 @@ def test_a_newcomer_with_no_member_left_is_told_at_once(tmp_path):
     assert said is not None and "every member of the job is gone" in said, said
     assert "one agent per GPU (--nproc-per-node 1)" in said, said
     assert took < TIMEOUT, took  # before: 3 timeouts, then "no member answered"
+
+
+SLOW = 8.0  # the membership's timeout below: a rebuild that waits it out is plain
+
+
+@pytest.mark.multiprocess
+def test_a_member_gone_between_the_decision_and_the_new_group_costs_no_timeout(tmp_path):
+    # rank 3 dies; rank 2 (its node-mate under one torchrun agent, stopped by it a moment
+    # later) takes part in the agreement and dies before the new group connects: the others
+    # see its beacon refused and agree again at once (before: init_process_group waited out
+    # the timeout for it, then a second agreement)
+    args = (str(tmp_path), (3,), None, 2, SLOW)
+    results = run_world_fresh(_train, 4, *args, timeout=120, killed=(2, 3))
+    assert results[2] is None and results[3] is None, results
+    for new_rank, old in enumerate((0, 1)):
+        out = results[old]
+        assert out["changes"] == [(2, (0, 1), new_rank, (2, 3))], out["changes"]
+        took = out["changed"]["at"] - out["killed"]
+        assert took < SLOW / 2, (old, took)

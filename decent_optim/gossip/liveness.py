@@ -25,12 +25,13 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Beacon", "dead", "every_one_gone", "gone", "here", "post", "unanswered"]
+__all__ = ["Beacon", "dead", "every_one_gone", "gone", "here", "post", "ready", "unanswered"]
 
 #: seconds a probe waits for a connection (refused is immediate; a dead host is inconclusive)
 PROBE_S = 0.2
@@ -134,3 +135,27 @@ def unanswered(me: int, generation: int, waited: float, gone: bool) -> str:
         f"[id {me}] no member answered the request to join generation {generation} within "
         f"{waited:g} s: do the members still train?"
     )
+
+
+def ready(store: dist.Store, key: str, membership: Any, members: Iterable[int]) -> str | None:
+    """Post that ``membership``'s member is ready to connect the group of ``members`` (under
+    ``{key}/{id}``) and wait until all are: None, or why not (one is gone, or the membership's
+    timeout passed). A member that dies between the decision and the new group's rendezvous
+    (a node-mate its torchrun agent stops right after a loss) would otherwise hold every other
+    one in ``init_process_group`` for the whole timeout."""
+    store.set(f"{key}/{membership.me}", "")
+    waiting = set(members) - {membership.me}
+    deadline, probe = time.monotonic() + membership.timeout, time.monotonic()
+    beacons = f"{membership.prefix}/beacon"
+    while waiting:
+        waiting = {i for i in waiting if not store.check([f"{key}/{i}"])}
+        if waiting and time.monotonic() >= probe:
+            lost = dead(store, beacons, waiting)
+            if lost:
+                return f"id(s) {sorted(lost)} gone before the new group connected"
+            probe = time.monotonic() + 0.05
+        if waiting and time.monotonic() >= deadline:
+            return f"id(s) {sorted(waiting)} not ready within {membership.timeout:g} s"
+        if waiting:
+            time.sleep(membership.poll)
+    return None

@@ -194,7 +194,8 @@ class Membership:
         for _ in range(len(members) + 1):
             lost = tuple(sorted(set(self.view.members) - set(members)))
             view = View(view.generation + 1, members, members.index(self.me), lost)
-            error = self._connect(view)
+            ready = liveness.ready(self.store, self._key(view.generation, "ready"), self, members)
+            error = self._connect(view) if ready is None else MembershipError(ready)
             if error is None:
                 log_change(self.view, view, self.me)
                 self.view, self.joining = view, False
