@@ -9,16 +9,15 @@ survivor prints the seconds from the kill to the step in which it rebuilt, and i
 **Where the store lives.** It must outlive any worker, so no worker can host it (rank 0's
 store dies with rank 0). Here the launching process hosts it (``--workers N``: a ``TCPStore``
 in this process, which starts N workers and trains nothing), as torchrun's agent hosts its
-store. Or start it on its own, on a machine that does not train, and point the workers at it::
+store. Or start it on its own with the package's command, on a machine that does not train
+(this script's ``--serve-store PORT`` does the same), and point the workers at it::
 
-    python examples/live_membership.py --serve-store 29555 &
+    python -m decent_optim.store --port 29555 &
     RANK=0 WORLD_SIZE=4 python examples/live_membership.py --store HOST:29555 &   # one per worker
 
-**Not under torchrun.** torchrun's agent stops *every* worker of its node when one of them
-exits (and restarts them with ``--max-restarts``): under ``torchrun --nproc-per-node 4`` (with
-``--store`` pointing at a ``--serve-store`` process) the agent sent SIGTERM to the three
-survivors 0.1 s after the kill. Live membership needs a launcher that leaves the survivors
-alone, as this script's ``--workers`` does.
+**Under torchrun** with several workers a node: one ``torchrun --standalone`` job per node,
+joined through the store by ``decent_optim.gossip.torchrun.membership`` (docs/surviving_failures,
+"Under torchrun"); this script's ``--workers`` is a demo on one machine.
 
 ``LIVE_KILL=RANK:STEP``: that rank SIGKILLs itself before that step (the fault is injected).
 
@@ -44,15 +43,14 @@ import torch
 import torch.distributed as dist
 
 from decent_optim import DecentralizedAdamW
+from decent_optim.gossip import store_service
 from decent_optim.gossip.membership import Membership, View
 
 
 def serve(port: int) -> dist.TCPStore:
-    """A store on this machine that lives as long as this process (port 0: any free one)."""
-    return dist.TCPStore(
-        "0.0.0.0", port, is_master=True, wait_for_workers=False, use_libuv=True,
-        timeout=datetime.timedelta(seconds=300),
-    )  # fmt: skip
+    """A store on this machine that lives as long as this process (port 0: any free one): the
+    package's (``python -m decent_optim.store --port PORT`` serves the same alone)."""
+    return store_service.serve("0.0.0.0", port)
 
 
 def launch(workers: int, argv: list[str]) -> int:
@@ -173,21 +171,18 @@ def train(store_address: str, steps: int, timeout: float, pause: float, join: bo
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, help="start this many workers and host the store")
-    parser.add_argument("--serve-store", type=int, metavar="PORT", help="only host the store")
+    parser.add_argument(
+        "--serve-store", type=int, metavar="PORT",
+        help="only host the store (as `python -m decent_optim.store --port PORT` does)",
+    )  # fmt: skip
     parser.add_argument("--store", help="HOST:PORT of the store (a worker)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--timeout", type=float, default=5.0, help="membership's, in seconds")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds of compute per step")
     parser.add_argument("--join", action="store_true", help="join a running job (a newcomer)")
     args, rest = parser.parse_known_args()
-    if args.serve_store is not None:
-        store = serve(args.serve_store)  # served while this object lives
-        print(f"store on port {store.port}; Ctrl-C ends it", flush=True)
-        try:
-            signal.pause()
-        except KeyboardInterrupt:
-            pass
-        return 0
+    if args.serve_store is not None:  # kept for old scripts: the package's command does it
+        return store_service.main(["--port", str(args.serve_store)])
     if args.workers:
         argv = ["--steps", str(args.steps), "--timeout", str(args.timeout)]
         return launch(args.workers, [*argv, "--pause", str(args.pause)])

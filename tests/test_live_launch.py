@@ -94,7 +94,7 @@ def test_a_store_this_process_hosts_is_warned_about():
     hosted = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     with pytest.warns(UserWarning, match=rf"hosts the membership store \(TCPStore .*:{port}\)"):
         Membership(hosted, join=True)
-    with pytest.warns(UserWarning, match="--serve-store PORT"):
+    with pytest.warns(UserWarning, match=r"python -m decent_optim.store --port PORT"):
         Membership(dist.PrefixStore("job", hosted), join=True)
     # a store served by another process: no warning
     port = _free_port()
@@ -279,7 +279,10 @@ def test_a_lost_store_pauses_membership_and_a_later_loss_names_it(tmp_path):
     # the round rank 1 launched at the end of its step 7 may still arrive)
     assert KILL_AT <= out["steps"] <= KILL_AT + 1, out
     assert len(out["warnings"]) == 1, out["warnings"]
-    assert "training goes on, but live membership is off" in out["warnings"][0]
+    assert "training goes on, but live membership is paused" in out["warnings"][0]
     said = out["error"]
     assert f"a change of membership needs the membership store (TCPStore 127.0.0.1:{port})" in said
-    assert "Restart the job from its last checkpoint" in said and "--serve-store" in said
+    assert (
+        "Restart the job from its last checkpoint" in said
+        and "python -m decent_optim.store" in said
+    )

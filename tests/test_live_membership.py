@@ -50,7 +50,11 @@ def _exchange(live, value, wait_s=PATIENT):
         send = dist.isend(torch.tensor([float(value)]), right)
     except RuntimeError:
         return None, [right]
-    for work, peer in ((dist.irecv(got, left), left), (send, right)):
+    try:  # posting fails too once gloo knows the pair closed
+        recv = dist.irecv(got, left)
+    except RuntimeError:
+        return None, [left]
+    for work, peer in ((recv, left), (send, right)):
         try:
             live.wait([work], timeout=wait_s)
         except MembershipChanged:

@@ -17,8 +17,10 @@ in the first group; ``members`` lists the ids of generation ``g`` by rank. Each 
    once no ``Work`` of the group is referenced any more, not at ``destroy_process_group``,
    ``abort()`` or ``shutdown()`` (measured with torch 2.13);
 2. waits until every member has posted, or every member that has not is suspected by one that
-   has, or twice the timeout has passed since it posted (a live member's own waits end within
-   the timeout, and then it posts: silent after that, it is hung). A wait that a member left
+   has or is gone (its :mod:`~decent_optim.gossip.liveness` beacon refuses a connection: two
+   workers lost at once are left out together), or twice the timeout has passed since it
+   posted (a live member's own waits end within the timeout, and then it posts: silent after
+   that, it is hung). A wait that a member left
    for the change goes on in its helper thread (:meth:`Membership.watch`); if it ends naming
    a peer (timed out, or closed), the member adds that peer to its post, so that a hung rank
    is left out when its neighbours' waits time out, not twice the timeout later;
@@ -28,7 +30,7 @@ in the first group; ``members`` lists the ids of generation ``g`` by rank. Each 
 
 The new rank of id ``i`` is its index in the decision. A rebuild that fails (a member died after
 posting, so the new group cannot connect within the timeout) is agreed again in the next
-generation, where only posting counts: the members silent for the timeout are left out.
+generation, where only posting counts: the members silent for the timeout, or gone, are left out.
 Every wait is bounded by a multiple of ``timeout``.
 
 Joining: a newcomer (``join=True``) takes an id above all earlier ones (``{prefix}/world`` plus a
@@ -46,9 +48,15 @@ from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 
-from decent_optim.gossip import membership_store
+from decent_optim.gossip import liveness, membership_store
 from decent_optim.gossip.failures import GossipError
-from decent_optim.gossip.membership_args import built, check_arguments, check_place, warn_if_alone
+from decent_optim.gossip.membership_args import (
+    built,
+    check_arguments,
+    check_place,
+    check_suspects,
+    warn_if_alone,
+)
 from decent_optim.gossip.membership_log import log_change
 from decent_optim.gossip.view import View
 from decent_optim.gossip.watch import Waits, waits
@@ -95,21 +103,15 @@ class Membership:
         join: bool = False,
         backend: str = "gloo",
     ):
-        if not isinstance(store, dist.Store):
-            raise TypeError(
-                "Membership needs a torch.distributed Store that outlives every worker: "
-                "torchrun's agent store, or a dist.TCPStore hosted by a process that does not "
-                f"train; got {store!r}"
-            )
-        timeout, poll = check_arguments(prefix, timeout, poll, join, backend)
+        timeout, poll = check_arguments(store, prefix, timeout, poll, join, backend)
         check_place(join, dist.is_initialized())
         self.store, self.prefix, self.timeout, self.poll = store, prefix, timeout, poll
         # the new group's rendezvous waits on the store with the store's own timeout
         store.set_timeout(datetime.timedelta(seconds=self.timeout))
         #: a newcomer until its first rebuild has connected it
         self.joining = join
-        #: False once the store could not be reached (membership_store: changes are off)
-        self.reachable = True
+        #: False while the store cannot be reached (membership_store: changes are paused)
+        self.reachable, self.retry = True, 0.0
         # the waits watch() left for a change, and the peers they named (their late blame)
         self._waits = Waits(poll, MembershipChanged)
         membership_store.warn_if_hosted(store)
@@ -121,6 +123,7 @@ class Membership:
         self.me = dist.get_rank()
         self.view = View(0, tuple(range(world)), self.me, ())
         store.compare_set(f"{prefix}/world", "", str(world))  # where newcomers' ids start
+        self.beacon = liveness.post(store, f"{self.prefix}/beacon/{self.me}")
         warn_if_alone(world)
 
     def _key(self, generation: int, name: str) -> str:
@@ -129,7 +132,7 @@ class Membership:
     def pending(self) -> bool:
         """Whether a member has started to agree on a change of the current generation, or a
         newcomer asks to join (one check of a store key)."""
-        if not self.reachable:
+        if not self.reachable and not membership_store.resume(self):
             return False
         try:
             return self.store.check([self._key(self.view.generation, "change")])
@@ -172,6 +175,8 @@ class Membership:
         Raises:
             MembershipError: this rank was left out, or no group could be rebuilt in time.
         """
+        if not self.reachable:
+            membership_store.resume(self, now=True)
         try:
             return self._join() if self.joining else self._rebuild(suspects)
         except dist.DistNetworkError as err:  # the store's connection, not a peer's
@@ -180,12 +185,7 @@ class Membership:
 
     def _rebuild(self, suspects: Iterable[int]) -> View:
         view = self.view
-        ranks = list(suspects)
-        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < view.world_size)]
-        if bad:
-            raise ValueError(
-                f"suspects must be ranks of the current group (0..{view.world_size - 1}), got {bad}"
-            )
+        ranks = check_suspects(suspects, view.world_size)
         suspected = {view.members[r] for r in ranks} - {self.me}
         return self._settle(view, self._agree(view, suspected, quick=True))
 
@@ -194,7 +194,8 @@ class Membership:
         for _ in range(len(members) + 1):
             lost = tuple(sorted(set(self.view.members) - set(members)))
             view = View(view.generation + 1, members, members.index(self.me), lost)
-            error = self._connect(view)
+            ready = liveness.ready(self.store, self._key(view.generation, "ready"), self, members)
+            error = self._connect(view) if ready is None else MembershipError(ready)
             if error is None:
                 log_change(self.view, view, self.me)
                 self.view, self.joining = view, False
@@ -219,18 +220,20 @@ class Membership:
             )
         world = int(store.get(f"{self.prefix}/world").decode())
         self.me = world + store.add(f"{self.prefix}/joined", 1) - 1
+        self.beacon = liveness.post(store, f"{self.prefix}/beacon/{self.me}")
         key = f"{self.prefix}/generation"
         g = int(store.get(key).decode()) if store.check([key]) else 0
         for _ in range(64):
             store.set(self._key(g, f"join/{self.me}"), "")
             store.add(self._key(g, "change"), 1)
             deadline, decision = time.monotonic() + wait, self._key(g, "decision")
+            members = _ids(store.get(self._key(g - 1, "decision")).decode()) if g else range(world)
+            probe = time.monotonic() + 0.2  # every member's process gone: nobody will answer
             while not store.check([decision]):
-                if time.monotonic() >= deadline:
-                    raise MembershipError(
-                        f"[id {self.me}] no member answered the request to join generation "
-                        f"{g} within {wait:g} s: do the members still train?"
-                    )
+                gone = time.monotonic() >= probe and liveness.every_one_gone(store, self, members)
+                if gone or time.monotonic() >= deadline:
+                    raise MembershipError(liveness.unanswered(self.me, g, wait, gone))
+                probe = probe if time.monotonic() < probe else time.monotonic() + 0.2
                 time.sleep(self.poll)
             decided = tuple(sorted(_ids(store.get(decision).decode())))
             if self.me in decided:
@@ -248,6 +251,8 @@ class Membership:
             dist.destroy_process_group()
         decision_key = self._key(g, "decision")
         deadline = time.monotonic() + self.timeout * (2 if quick else 1)
+        dead: set[int] = set()  # members whose process is gone (liveness: beacon refused)
+        beacons, probe = f"{self.prefix}/beacon", time.monotonic()
         while True:
             if store.check([decision_key]):
                 decided = _ids(store.get(decision_key).decode())
@@ -261,14 +266,18 @@ class Membership:
             for i in newcomers:  # they posted before they asked: none is waited for
                 if i not in view.members and store.check([self._key(g, f"join/{i}")]):
                     posted[i] = set()
-            late = self._waits.blamed(g, view.members)
+            silent = set(view.members) - set(posted)
+            # who the others name (in a later generation only posting counts), and who is gone
+            blamed = set().union(*posted.values()) if quick else set()
+            if time.monotonic() >= probe:  # the silent ones nobody names: gone?
+                dead |= liveness.dead(store, beacons, silent - blamed - dead)
+                probe = time.monotonic() + 0.05
+            late = self._waits.blamed(g, view.members) | dead
             if not late <= suspected | {self.me}:
                 suspected = suspected | late - {self.me}
                 store.set(self._key(g, f"alive/{self.me}"), _text(suspected))
                 continue
-            silent = set(view.members) - set(posted)
-            blamed = set().union(*posted.values())
-            if not silent or (quick and silent <= blamed) or time.monotonic() >= deadline:
+            if not silent or silent <= blamed | dead or time.monotonic() >= deadline:
                 proposal = _text(posted)
                 won = store.compare_set(decision_key, "", proposal)
                 decided = _ids(won.decode() if isinstance(won, bytes) else won)

@@ -14,10 +14,17 @@ import math
 import numbers
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["MIN_TIMEOUT_S", "built", "check_arguments", "check_place", "warn_if_alone"]
+__all__ = [
+    "MIN_TIMEOUT_S",
+    "built",
+    "check_arguments",
+    "check_place",
+    "check_suspects",
+    "warn_if_alone",
+]
 
 #: the shortest membership timeout: the store's and gloo's timeouts count whole milliseconds,
 #: and an agreement needs a few store round trips and a new group's rendezvous within it
@@ -36,9 +43,17 @@ def _seconds(name: str, value: object, advice: str) -> float:
 
 
 def check_arguments(
-    prefix: object, timeout: object, poll: object, join: object, backend: object
+    store: object, prefix: object, timeout: object, poll: object, join: object, backend: object
 ) -> tuple[float, float]:
     """Raise on a bad argument of ``Membership``; return ``timeout`` and ``poll`` in seconds."""
+    import torch.distributed as dist
+
+    if not isinstance(store, dist.Store):
+        raise TypeError(
+            "Membership needs a torch.distributed Store that outlives every worker: "
+            "`python -m decent_optim.store --port PORT` on a host that does not train, or "
+            f"torchrun's agent store; got {store!r}"
+        )
     if not isinstance(prefix, str) or not prefix:
         raise TypeError(
             f"Membership's prefix must be a non-empty str (one per job), got {prefix!r}"
@@ -70,6 +85,15 @@ def check_arguments(
             f"Membership's backend must be a name such as 'gloo' or 'nccl', got {backend!r}"
         )
     return limit, every
+
+
+def check_suspects(suspects: Iterable[int], world: int) -> list[int]:
+    """The ranks of ``suspects`` (of ``rebuild``), refused unless each is one of ``0..world-1``."""
+    ranks = list(suspects)
+    bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < world)]
+    if bad:
+        raise ValueError(f"suspects must be ranks of the current group (0..{world - 1}), got {bad}")
+    return ranks
 
 
 def check_place(join: bool, initialized: bool) -> None:
