@@ -70,14 +70,15 @@ UNEVEN_LOCAL_STEPS = 2
 UNEVEN_MANY_OUTER: dict[str, Any] = {"every": 16, "lr": 0.7, "momentum": 0.5}
 
 #: live membership: the survivors' next step 0.55-1.5 s after a SIGKILL, no step lost, against
-#: 25 s and 6 steps for a torchrun restart from disk (docs/surviving_failures.rst); it takes
-#: every schedule, ``outer=`` and ``uneven=True`` included. Under torchrun it survives only with one worker per torchrun agent and a store no
-#: worker hosts (issue 64).
+#: 25 s and 6 steps for a torchrun restart from disk (docs/surviving_failures.rst); it takes every
+#: schedule, ``outer=`` and ``uneven=True`` included. Under torchrun: one ``--standalone`` job per
+#: node, joined by the package's store (``decent_optim.gossip.torchrun``).
 MEMBERSHIP_TIMEOUT_S = 5
 FAILURES_NEEDS = (
-    "a torch.distributed Store that no worker hosts, one worker per torchrun agent, and "
-    "Membership from decent_optim.gossip.membership (docs/surviving_failures.rst; issue 64 "
-    "tracks several workers a node under torchrun)"
+    "the store served by `python -m decent_optim.store --port PORT` on a host that does not "
+    "train, one `torchrun --standalone --max-restarts K` job per node, and membership="
+    'decent_optim.gossip.torchrun.membership("HOST:PORT", nodes=N) '
+    '(docs/surviving_failures.rst, "Under torchrun")'
 )
 
 

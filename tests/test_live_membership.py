@@ -237,6 +237,7 @@ def _hung_blamed_late(rank, world_size, path):
     )
     gossiper.watch = live.watch
     x = torch.full((4,), float(rank), dtype=torch.float64)
+    dist.barrier()  # every rank started: a slow start must not time out the first round
     gossiper.start([x], 0).wait_and_mix_()  # a round that works
     dist.barrier()
     if rank == 2:
