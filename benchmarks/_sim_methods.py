@@ -22,7 +22,9 @@ parts (``x<f>`` the peak rate as a multiple of DDP's; the others as ``name<numbe
   diagnosis) the fresh mean's square in place of ``vmix``'s estimate; ``nofloor`` drops the
   floor ``v / n`` under ``vmix``'s second moment; ``ahead`` takes each worker's gradient not
   at its own parameters but at its last mixed ones moved as they moved between the last two
-  mixes (where the mean is headed), while the round still carries its own update.
+  mixes (where the mean is headed), while the round still carries its own update; ``damp<c>``
+  takes it at its last mixed parameters plus ``c`` times its own update since (``c = 1``: its
+  own parameters, ``c = 0``: the mixed ones), the round still carrying the whole update.
 * consensus control: ``pga<H>`` makes every ``H``-th round a global average (the exact mean,
   launched like a round and applied one step later); ``pgaw<K>`` only for the first ``K``
   steps, then every ``pgal<H>``-th (dense early, rare late).
@@ -282,6 +284,9 @@ class Method:
             self.rule.step(x, g, lr)
             return
         at = x
+        if "damp" in self.m and self.mixed is not None:
+            # the gradient nearer the mean: a worker's own update counts c-fold, not whole
+            at = self.mixed + self.m["damp"] * (x - self.mixed)
         if "ahead" in self.m and self.mixed is not None:
             # the gradient where the mean will be: the last mixed rows moved as they moved last
             last = self.mixed if self.mixed_before is None else self.mixed_before
@@ -307,7 +312,7 @@ class Method:
                 self.rule.m[:] = self.rule.m.mean(0, keepdim=True)
         elif t > 0:  # round 0 would mix the start, equal everywhere: the package skips it
             self.gossip.mix_(x, t, [self.rule.m] if "mmix" in self.m else [])
-        if "ahead" in self.m:
+        if "ahead" in self.m or "damp" in self.m:
             self.mixed_before, self.mixed = self.mixed, x.clone()
         self.rule.step(x, g, lr, u) if u is not None else self.rule.step(x, g, lr)
 
