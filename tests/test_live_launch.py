@@ -232,6 +232,19 @@ def test_a_hung_worker_is_left_out_after_the_membership_timeout_and_logged(tmp_p
 LOST_AT, KILL_AT = 3, 8  # rank 0's step at which the store goes, rank 1's at which it dies
 
 
+def _stop_store(port):
+    """Ask the store's process to exit, and wait (at most WAIT) until it no longer answers."""
+    control = _client(port)
+    control.set("stop", "1")
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        try:
+            control.check(["stop"])
+        except dist.DistNetworkError:
+            return
+        time.sleep(0.05)
+
+
 def _store_lost(rank, world_size, port):
     from decent_optim import DSGD
 
@@ -243,15 +256,7 @@ def _store_lost(rank, world_size, port):
         warnings.simplefilter("always")
         for t in range(STEPS):
             if t == LOST_AT and rank == 0:
-                control = _client(port)
-                control.set("stop", "1")  # the store's process exits
-                deadline = time.monotonic() + WAIT
-                while time.monotonic() < deadline:
-                    try:
-                        control.check(["stop"])
-                    except dist.DistNetworkError:
-                        break
-                    time.sleep(0.05)
+                _stop_store(port)
             if t == KILL_AT and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             _live.loss(model, rank, t).backward()

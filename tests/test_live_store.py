@@ -20,9 +20,8 @@ from pathlib import Path
 
 import _live
 import pytest
-import torch.distributed as dist
 from _harness import run_world_fresh, start_alone
-from test_live_launch import TIMEOUT, WAIT, _client, _Records, _serve
+from test_live_launch import TIMEOUT, WAIT, _client, _Records, _serve, _stop_store
 from test_live_torchrun import _free_ports
 
 STEPS, LOST_AT, BACK_AT, KILL_AT = 14, 3, 6, 10
@@ -42,15 +41,7 @@ def _store_back(rank, world_size, port, path):
         warnings.simplefilter("always")
         for t in range(STEPS):
             if t == LOST_AT and rank == 0:
-                control = _client(port)
-                control.set("stop", "1")  # the store's process exits
-                deadline = time.monotonic() + WAIT
-                while time.monotonic() < deadline:
-                    try:
-                        control.check(["stop"])
-                    except dist.DistNetworkError:
-                        break
-                    time.sleep(0.05)
+                _stop_store(port)
             if t == BACK_AT and rank == 0:
                 env = dict(os.environ, PYTHONPATH=str(ROOT))
                 command = [sys.executable, "-m", "decent_optim.store", "--port", str(port)]
