@@ -120,10 +120,11 @@ def test_a_timing_run_times_the_steps_after_the_first_period(tmp_path: Path) -> 
 def test_uneven_keeps_a_snapshot_every_k_rounds_and_the_last(tmp_path: Path) -> None:
     # every round's copies kept, 16 ranks of a 1.8M model would need ~40 GB; every 4th of 12
     # steps' rounds (a round mixes a step after it starts) is at most 4 evaluations, the last at
-    # the stop, against one per --eval-every (6 here) with every round kept. The stop is at the
-    # budget or up to a period past it (the ranks' mean progress there: 13 seen under load)
+    # the stop, against one per --eval-every (6 here) with every round kept. cap1: a rank waits
+    # for its round at the end of its period, so a loaded machine cannot stretch the 12 steps into
+    # a few long periods (with the default cap of 8 a loaded run stopped at 19, one snapshot)
     meta = _harness(
-        tmp_path, ["ddp", "decent:ring:uneven"], "--steps", "12", "--snapshot-rounds", "4"
+        tmp_path, ["ddp", "decent:ring:uneven:cap1"], "--steps", "12", "--snapshot-rounds", "4"
     )
     curve = meta["rows"][1]["curve"]
     steps = [c["step"] for c in curve]
