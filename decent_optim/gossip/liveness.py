@@ -147,15 +147,15 @@ def ready(store: dist.Store, key: str, membership: Any, members: Iterable[int]) 
     waiting = set(members) - {membership.me}
     deadline, probe = time.monotonic() + membership.timeout, time.monotonic()
     beacons = f"{membership.prefix}/beacon"
-    while waiting:
+    while True:
         waiting = {i for i in waiting if not store.check([f"{key}/{i}"])}
-        if waiting and time.monotonic() >= probe:
+        if not waiting:
+            return None
+        if time.monotonic() >= probe:
             lost = dead(store, beacons, waiting)
             if lost:
                 return f"id(s) {sorted(lost)} gone before the new group connected"
             probe = time.monotonic() + 0.05
-        if waiting and time.monotonic() >= deadline:
+        if time.monotonic() >= deadline:
             return f"id(s) {sorted(waiting)} not ready within {membership.timeout:g} s"
-        if waiting:
-            time.sleep(membership.poll)
-    return None
+        time.sleep(membership.poll)
